@@ -1,0 +1,24 @@
+"""Adaptive batch size training for PyTorch Lightning, after SimiGrad (Qin et al., NeurIPS 2021)."""
+
+from lightning_simigrad.callback import METRICS, SimiGrad
+from lightning_simigrad.controller import BatchSizeController
+from lightning_simigrad.lr_scaling import lr_factor
+from lightning_simigrad.plan import Window, plan_window
+from lightning_simigrad.sampler import AdaptiveBatchSampler, WindowSchedule
+from lightning_simigrad.statistics import HalfStats, equilibrium_batch_size, expected_similarity
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "METRICS",
+    "AdaptiveBatchSampler",
+    "BatchSizeController",
+    "HalfStats",
+    "SimiGrad",
+    "Window",
+    "WindowSchedule",
+    "equilibrium_batch_size",
+    "expected_similarity",
+    "lr_factor",
+    "plan_window",
+]

@@ -1,0 +1,213 @@
+"""The batch-size controller: from one step's half-batch statistics to the next step's batch size.
+
+Pure Python, no Lightning: :class:`BatchSizeController` takes a :class:`~lightning_simigrad.HalfStats`
+per optimizer step and returns the batch size to use next. Two rules:
+
+- ``"paper"`` (SimiGrad's): similarity below the target grows the batch by ``grow_factor`` (1.1),
+  above it shrinks the batch by ``shrink_factor`` (0.9);
+- ``"noise_scale"``: move straight to :math:`B^* = 2 B_{noise} \\tau / (1 - \\tau)`, with the noise
+  scale :math:`B_{noise} = \\operatorname{tr}\\Sigma / |G|^2` smoothed as McCandlish et al. advise
+  (an EMA of numerator and denominator separately, divided afterwards).
+
+Both clamp to ``[min_batch_size, max_batch_size]``, hold still during ``warmup_steps`` and inside a
+``deadband`` around the target, and ignore non-finite measurements (a mixed-precision overflow).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from lightning_simigrad.statistics import HalfStats, equilibrium_batch_size
+
+__all__ = ["BatchSizeController", "RULES"]
+
+RULES = ("paper", "noise_scale")
+
+
+class _Ema:
+    """Exponential moving average with bias correction, so the first value is not pulled towards 0."""
+
+    def __init__(self, decay: float) -> None:
+        self.decay = decay
+        self.biased = 0.0
+        self.weight = 0.0
+
+    def update(self, value: float) -> None:
+        self.biased = self.decay * self.biased + (1.0 - self.decay) * value
+        self.weight = self.decay * self.weight + (1.0 - self.decay)
+
+    @property
+    def value(self) -> float:
+        return self.biased / self.weight if self.weight > 0 else math.nan
+
+
+class BatchSizeController:
+    """Chooses the next global batch size from the similarity of two half-batch gradients.
+
+    Args:
+        target_similarity: the cosine similarity to hold, in (-1, 1).
+        initial_batch_size: the starting global batch size ``B0``.
+        min_batch_size: lower bound (default ``1``).
+        max_batch_size: upper bound (default unbounded).
+        rule: ``"paper"`` or ``"noise_scale"`` (see the module docstring).
+        grow_factor: the paper rule's factor below the target (> 1).
+        shrink_factor: the paper rule's factor above the target (in (0, 1)).
+        smoothing: EMA decay in [0, 1) of the similarity the paper rule compares (0: the raw value).
+        noise_scale_decay: EMA decay in [0, 1) of the noise-scale numerator and denominator.
+        deadband: no change while ``|similarity - target| <= deadband``.
+        warmup_steps: measured steps to wait before the first change.
+
+    Raises:
+        ValueError: for any argument out of range; the message names it and says the fix.
+
+    Example::
+
+        >>> c = BatchSizeController(target_similarity=0.8, initial_batch_size=100)
+        >>> c.update(HalfStats(dot=0.5, sq_a=1.0, sq_b=1.0, n_a=50, n_b=50))  # 0.5 < 0.8: grow
+        110
+        >>> c.update(HalfStats(dot=0.9, sq_a=1.0, sq_b=1.0, n_a=55, n_b=55))  # 0.9 > 0.8: shrink
+        99
+    """
+
+    def __init__(
+        self,
+        target_similarity: float,
+        initial_batch_size: int,
+        min_batch_size: int | None = None,
+        max_batch_size: int | None = None,
+        rule: str = "paper",
+        grow_factor: float = 1.1,
+        shrink_factor: float = 0.9,
+        smoothing: float = 0.0,
+        noise_scale_decay: float = 0.9,
+        deadband: float = 0.0,
+        warmup_steps: int = 0,
+    ) -> None:
+        validate_target_similarity(target_similarity)
+        for name, value in (("initial_batch_size", initial_batch_size),):
+            _require_positive_int(name, value)
+        if min_batch_size is not None:
+            _require_positive_int("min_batch_size", min_batch_size)
+        if max_batch_size is not None:
+            _require_positive_int("max_batch_size", max_batch_size)
+        if min_batch_size is not None and max_batch_size is not None and min_batch_size > max_batch_size:
+            raise ValueError(
+                f"`min_batch_size` ({min_batch_size}) must not exceed `max_batch_size` ({max_batch_size})."
+                " Swap them or widen the range."
+            )
+        if rule not in RULES:
+            raise ValueError(f"`controller` must be one of {RULES}, got {rule!r}.")
+        if not grow_factor > 1.0:
+            raise ValueError(f"`grow_factor` must be > 1, got {grow_factor}. The paper uses 1.1.")
+        if not 0.0 < shrink_factor < 1.0:
+            raise ValueError(f"`shrink_factor` must lie in (0, 1), got {shrink_factor}. The paper uses 0.9.")
+        for name, decay in (("smoothing", smoothing), ("noise_scale_decay", noise_scale_decay)):
+            if not 0.0 <= decay < 1.0:
+                raise ValueError(f"`{name}` is an EMA decay and must lie in [0, 1), got {decay}. Use 0 for none.")
+        if not deadband >= 0.0:
+            raise ValueError(f"`deadband` must be >= 0, got {deadband}.")
+        if not (isinstance(warmup_steps, int) and warmup_steps >= 0):
+            raise ValueError(f"`warmup_steps` must be a non-negative int, got {warmup_steps!r}.")
+
+        self.target_similarity = target_similarity
+        self.min_batch_size = min_batch_size or 1
+        self.max_batch_size = max_batch_size
+        self.rule = rule
+        self.grow_factor = grow_factor
+        self.shrink_factor = shrink_factor
+        self.deadband = deadband
+        self.warmup_steps = warmup_steps
+        # The controller keeps a real-valued size: rounding only on the way out, so that repeated
+        # x1.1 / x0.9 at small sizes are not swallowed by rounding (the paper's code loses them).
+        self._size = float(self._clamp(initial_batch_size))
+        self._similarity = _Ema(smoothing)
+        self._grad_sq = _Ema(noise_scale_decay)
+        self._trace_sigma = _Ema(noise_scale_decay)
+        self.measured_steps = 0
+
+    # ----------------------------------------------------------------------------------- the rule
+    def update(self, stats: HalfStats, adjust: bool = True) -> int:
+        """Feed one step's statistics; returns the batch size for the next step.
+
+        With ``adjust=False`` the smoothed similarity and noise scale follow the measurement but the
+        batch size stays where it is.
+        """
+        if not stats.is_finite:
+            return self.batch_size  # an overflowed or empty measurement says nothing: hold
+        self.measured_steps += 1
+        self._similarity.update(stats.similarity)
+        self._grad_sq.update(stats.grad_sq)
+        self._trace_sigma.update(stats.trace_sigma)
+        if not adjust or self.measured_steps <= self.warmup_steps:
+            return self.batch_size
+        if abs(self.similarity - self.target_similarity) <= self.deadband:
+            return self.batch_size
+        if self.rule == "paper":
+            factor = self.grow_factor if self.similarity < self.target_similarity else self.shrink_factor
+            self._size = self._clamp(self._size * factor)
+        else:
+            noise_scale = self.noise_scale
+            if math.isfinite(noise_scale) and noise_scale > 0:
+                self._size = self._clamp(equilibrium_batch_size(noise_scale, self.target_similarity))
+            elif self.similarity < self.target_similarity:
+                # |G|^2 estimate <= 0: the gradient is all noise at this size, so B* is beyond reach
+                self._size = self._clamp(self._size * self.grow_factor)
+        return self.batch_size
+
+    def _clamp(self, size: float) -> float:
+        size = max(size, float(self.min_batch_size))
+        if self.max_batch_size is not None:
+            size = min(size, float(self.max_batch_size))
+        return size
+
+    # ----------------------------------------------------------------------------------- readings
+    @property
+    def batch_size(self) -> int:
+        """The batch size the controller asks for (an int >= 1)."""
+        return max(1, round(self._size))
+
+    @property
+    def similarity(self) -> float:
+        """The (smoothed) similarity the rule last compared, NaN before the first measurement."""
+        return self._similarity.value
+
+    @property
+    def noise_scale(self) -> float:
+        """Smoothed simple noise scale :math:`B_{noise}`; NaN before any measurement or while |G|^2 <= 0."""
+        grad_sq = self._grad_sq.value
+        return self._trace_sigma.value / grad_sq if grad_sq > 0 else math.nan
+
+    # ----------------------------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "size": self._size,
+            "measured_steps": self.measured_steps,
+            "similarity_ema": [self._similarity.biased, self._similarity.weight],
+            "grad_sq_ema": [self._grad_sq.biased, self._grad_sq.weight],
+            "trace_sigma_ema": [self._trace_sigma.biased, self._trace_sigma.weight],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._size = self._clamp(float(state.get("size", self._size)))
+        self.measured_steps = int(state.get("measured_steps", 0))
+        for key, ema in (
+            ("similarity_ema", self._similarity),
+            ("grad_sq_ema", self._grad_sq),
+            ("trace_sigma_ema", self._trace_sigma),
+        ):
+            if key in state:
+                ema.biased, ema.weight = (float(v) for v in state[key])
+
+
+def validate_target_similarity(value: float) -> None:
+    if not (isinstance(value, (int, float)) and -1.0 < value < 1.0):
+        raise ValueError(
+            f"`target_similarity` must lie in (-1, 1), got {value!r}. The paper uses 0.8 for BERT and 0.2 for"
+            " ResNet-18 on CIFAR-10."
+        )
+
+
+def _require_positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"`{name}` must be a positive int, got {value!r}.")

@@ -1,0 +1,71 @@
+"""Learning-rate scaling that follows the batch size, applied around ``optimizer.step`` only.
+
+The factor is the paper's :math:`\\sqrt{B/B_0}` (or :math:`B/B_0`, or 1), blended as
+:math:`(\\text{factor} - 1) f + 1`. :class:`StepLRScaler` multiplies every param group's ``lr`` by it
+in an optimizer *step pre-hook* and restores the exact saved value in the *post-hook*, so the user's
+LR scheduler only ever sees (and steps) its own values, and the gradients are untouched. Multiplying
+in ``on_before_optimizer_step`` and dividing after the batch would be wrong: the scheduler steps in
+between.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
+
+__all__ = ["LR_SCALINGS", "StepLRScaler", "lr_factor"]
+
+LR_SCALINGS = ("sqrt", "linear", "none")
+
+
+def lr_factor(batch_size: int, initial_batch_size: int, scaling: str = "sqrt", blend: float = 1.0) -> float:
+    """The learning-rate multiplier for a step of ``batch_size`` samples.
+
+    >>> lr_factor(400, 100)                       # sqrt(4)
+    2.0
+    >>> lr_factor(400, 100, "linear", blend=0.5)  # (4 - 1) * 0.5 + 1
+    2.5
+    """
+    ratio = batch_size / initial_batch_size
+    if scaling == "sqrt":
+        factor = math.sqrt(ratio)
+    elif scaling == "linear":
+        factor = ratio
+    elif scaling == "none":
+        return 1.0
+    else:
+        raise ValueError(f"`lr_scaling` must be one of {LR_SCALINGS}, got {scaling!r}.")
+    return (factor - 1.0) * blend + 1.0
+
+
+class StepLRScaler:
+    """Scales the learning rate of an optimizer by :attr:`factor` for the duration of each ``step``."""
+
+    def __init__(self) -> None:
+        self.factor = 1.0
+        self._saved: list[Any] = []
+        self._handles: list[RemovableHandle] = []
+
+    def attach(self, optimizer: Optimizer) -> None:
+        self._handles += [
+            optimizer.register_step_pre_hook(self._pre_step),
+            optimizer.register_step_post_hook(self._post_step),
+        ]
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _pre_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        self._saved = [group["lr"] for group in optimizer.param_groups]
+        if self.factor != 1.0:
+            for group in optimizer.param_groups:
+                group["lr"] = group["lr"] * self.factor
+
+    def _post_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        for group, lr in zip(optimizer.param_groups, self._saved):
+            group["lr"] = lr  # the very object saved, so the scheduler's value comes back bit for bit

@@ -1,0 +1,110 @@
+"""Window plans: how one optimizer step's samples are cut into micro-batches on each rank.
+
+An accumulation *window* is the run of micro-batches that one optimizer step averages. A plan fixes,
+for a global window of ``n`` samples, the number of micro-batches ``k`` and the size of every
+(micro-batch, rank) slot, so that:
+
+- no slot holds more than ``max_micro_batch_size`` samples (the memory bound);
+- slots are as equal as possible (differing by at most one sample), so the applied batch size is
+  exactly ``n`` rather than ``k x micro x world`` rounded as in the paper's code;
+- there are at least ``min_micro_batches`` micro-batches (two on one process, whose halves are
+  measured against each other), an even number when that measurement needs it.
+
+Pure Python: tested against hand-worked cases in ``tests/test_plan.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["Window", "plan_window"]
+
+
+@dataclass(frozen=True)
+class Window:
+    """One optimizer step's plan.
+
+    Args:
+        sizes: ``sizes[j][r]`` is the number of samples rank ``r`` feeds in micro-batch ``j``.
+    """
+
+    sizes: tuple[tuple[int, ...], ...]
+
+    @property
+    def num_micro_batches(self) -> int:
+        return len(self.sizes)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.sizes[0])
+
+    @property
+    def total(self) -> int:
+        """Samples averaged by the step, over all ranks."""
+        return sum(sum(micro) for micro in self.sizes)
+
+    @property
+    def max_micro_batch_size(self) -> int:
+        return max(max(micro) for micro in self.sizes)
+
+    def rank_total(self, rank: int) -> int:
+        return sum(micro[rank] for micro in self.sizes)
+
+    def samples_per_rank(self) -> list[int]:
+        return [self.rank_total(r) for r in range(self.world_size)]
+
+    def offset(self, micro: int, rank: int) -> int:
+        """Position of slot ``(micro, rank)`` within the window's samples (slots laid out micro-major)."""
+        before = sum(sum(m) for m in self.sizes[:micro])
+        return before + sum(self.sizes[micro][:rank])
+
+    def half_split(self) -> int:
+        """Micro-batches in the first half of the window (one process measures the halves in time)."""
+        return self.num_micro_batches // 2
+
+
+def _split(total: int, parts: int) -> list[int]:
+    """``total`` into ``parts`` integers differing by at most one, larger ones first."""
+    base, extra = divmod(total, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+def plan_window(
+    batch_size: int,
+    available: int,
+    world_size: int,
+    max_micro_batch_size: int,
+    min_micro_batches: int = 1,
+    even_micro_batches: bool = False,
+) -> Window:
+    """Plan a window of ``min(batch_size, available)`` samples.
+
+    Args:
+        batch_size: the global batch size the controller asks for.
+        available: samples left in the epoch (the window is cut to them: the epoch's tail).
+        world_size: ranks sharing the window.
+        max_micro_batch_size: per-rank cap of a micro-batch.
+        min_micro_batches: fewest micro-batches (2 where the halves are two halves in time).
+        even_micro_batches: round the count up to even, so the two halves in time are equal.
+
+    A slot may be 0 only when the window has fewer samples than ranks (a tiny epoch tail); the
+    sampler then feeds such a rank one sample with zero weight so that every rank still steps.
+
+    >>> plan_window(100, 10_000, world_size=1, max_micro_batch_size=64, min_micro_batches=2).sizes
+    ((50,), (50,))
+    >>> plan_window(301, 10_000, world_size=2, max_micro_batch_size=64).sizes
+    ((51, 50), (50, 50), (50, 50))
+    >>> plan_window(500, 7, world_size=2, max_micro_batch_size=64).sizes  # the epoch's last 7 samples
+    ((4, 3),)
+    """
+    n = min(batch_size, available)
+    if n <= 0:
+        raise ValueError(f"a window needs at least one sample, got batch_size={batch_size}, available={available}")
+    k = max(min_micro_batches, math.ceil(n / (world_size * max_micro_batch_size)))
+    if even_micro_batches and k % 2:
+        k += 1
+    # every rank needs a sample in every micro-batch where the window allows it
+    k = max(1, min(k, n // world_size))
+    per_micro = _split(n, k)
+    return Window(tuple(tuple(_split(m, world_size)) for m in per_micro))

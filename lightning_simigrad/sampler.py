@@ -1,0 +1,181 @@
+"""The batch sampler that feeds adaptive windows, and the schedule it shares with the callback.
+
+:class:`AdaptiveBatchSampler` replaces the training DataLoader's batch sampler. Each time it starts a
+window it reads the batch size the controller currently asks for, plans the window
+(:func:`~lightning_simigrad.plan.plan_window`) and yields this rank's micro-batches of it. Because a
+DataLoader with workers draws index batches several micro-batches ahead of training, the sampler --
+not the callback -- is the authority on window boundaries: it records every window it plans in the
+:class:`WindowSchedule`, and the callback reads back, micro-batch by micro-batch, which window and
+slot the batch it is training on belongs to. A decision therefore takes effect at the next window
+the sampler starts, and every step still knows exactly which samples it averages.
+
+On several ranks all of them walk the same global order (a permutation seeded identically on every
+rank) and each takes its slots of each window, so every sample is fed exactly once per epoch with no
+padding, unlike ``DistributedSampler``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sized
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler, Sampler, SequentialSampler
+
+from lightning_simigrad.plan import Window, plan_window
+
+__all__ = ["AdaptiveBatchSampler", "EpochPlan", "WindowSchedule"]
+
+
+@dataclass
+class EpochPlan:
+    """The windows one epoch's iterator has planned so far, and the training side's cursor in them."""
+
+    windows: list[Window] = field(default_factory=list)
+    _window: int = 0
+    _micro: int = -1
+
+    def next_micro_batch(self) -> tuple[Window, int]:
+        """Advance to the next micro-batch the trainer receives; returns its window and index in it."""
+        self._micro += 1
+        if self._micro >= self.windows[self._window].num_micro_batches:
+            self._window += 1
+            self._micro = 0
+        return self.windows[self._window], self._micro
+
+
+@dataclass
+class WindowSchedule:
+    """State shared by the sampler (which plans windows) and the callback (which sets the batch size).
+
+    Args:
+        batch_size: the global batch size for the next window the sampler starts.
+        max_micro_batch_size: per-rank cap of a micro-batch.
+        world_size: number of ranks.
+        min_micro_batches: 2 on one process (its halves are two halves of the window), else 1.
+        seed: seed of the shuffling permutation; identical on all ranks.
+        epoch: returns the epoch being iterated (read when an epoch's iterator starts).
+    """
+
+    batch_size: int
+    max_micro_batch_size: int
+    world_size: int = 1
+    min_micro_batches: int = 1
+    seed: int = 0
+    epoch: Callable[[], int] = lambda: 0
+    current: EpochPlan = field(default_factory=EpochPlan)
+    # (epoch, samples of completed windows) to skip when a run resumes in the middle of an epoch
+    resume_from: tuple[int, int] | None = None
+
+    def plan(self, available: int) -> Window:
+        return plan_window(
+            self.batch_size,
+            available,
+            self.world_size,
+            self.max_micro_batch_size,
+            self.min_micro_batches,
+            even_micro_batches=self.min_micro_batches >= 2,
+        )
+
+
+class AdaptiveBatchSampler(BatchSampler):
+    """Yields this rank's micro-batches of windows planned from the schedule's current batch size.
+
+    Args:
+        sampler: the index order to follow: a ``SequentialSampler``, a ``RandomSampler`` (shuffled with
+            the schedule's seed, so that all ranks and a resumed run agree), a ``DistributedSampler``
+            (its dataset, shuffle flag and seed are used; the sharding is done here), or any other
+            sampler of a single process, whose order is taken as it comes.
+        batch_size: the DataLoader's batch size (kept for Lightning's re-instantiation; the windows
+            are sized by the schedule).
+        drop_last: drop the epoch's tail when it is smaller than the window the schedule asks for.
+        schedule: the shared :class:`WindowSchedule`.
+        rank: this process's global rank.
+    """
+
+    def __init__(
+        self,
+        sampler: Sampler[int] | list[int],
+        batch_size: int,
+        drop_last: bool,
+        schedule: WindowSchedule | None = None,
+        rank: int = 0,
+    ) -> None:
+        super().__init__(sampler, batch_size, drop_last)
+        if schedule is None:
+            raise ValueError("`AdaptiveBatchSampler` needs the `schedule` it shares with the SimiGrad callback.")
+        self.schedule = schedule
+        self.rank = rank
+        if isinstance(sampler, DistributedSampler):
+            # Lightning injects one under DDP; we keep its settings and shard ourselves without padding
+            self.rank = sampler.rank
+        if schedule.world_size > 1 and not isinstance(sampler, (DistributedSampler, RandomSampler, SequentialSampler)):
+            raise ValueError(
+                f"SimiGrad shards samples across ranks itself and can follow a RandomSampler or SequentialSampler"
+                f" order under DDP, not a `{type(sampler).__name__}`. Use `shuffle=True/False` in the DataLoader."
+            )
+
+    def _num_samples(self) -> int:
+        sampler = self.sampler
+        if isinstance(sampler, (DistributedSampler, RandomSampler, SequentialSampler)):
+            return len(sampler.dataset) if isinstance(sampler, DistributedSampler) else len(sampler.data_source)  # type: ignore[arg-type]
+        assert isinstance(sampler, Sized)
+        return len(sampler)
+
+    def _shuffles(self) -> bool | None:
+        """True/False for orders we generate ourselves, None for a foreign sampler's own order."""
+        sampler = self.sampler
+        if isinstance(sampler, DistributedSampler):
+            return sampler.shuffle
+        if isinstance(sampler, RandomSampler):
+            if sampler.replacement or sampler._num_samples is not None:
+                return None  # a sampler with replacement or its own length has an order we can't regenerate
+            return True
+        if isinstance(sampler, SequentialSampler):
+            return False
+        return None
+
+    def epoch_order(self, epoch: int) -> list[int]:
+        """The global index order of an epoch: identical on every rank, and again after a resume."""
+        shuffle = self._shuffles()
+        n = self._num_samples()
+        if shuffle is None:
+            return list(iter(self.sampler))
+        if not shuffle:
+            return list(range(n))
+        generator = torch.Generator()
+        generator.manual_seed(self.schedule.seed + epoch)
+        return torch.randperm(n, generator=generator).tolist()
+
+    def __iter__(self) -> Iterator[list[int]]:
+        schedule = self.schedule
+        epoch = schedule.epoch()
+        order = self.epoch_order(epoch)
+        position = 0
+        if schedule.resume_from is not None and schedule.resume_from[0] == epoch:
+            position = schedule.resume_from[1]
+        plan = EpochPlan()
+        schedule.current = plan
+        while position < len(order):
+            available = len(order) - position
+            if self.drop_last and available < schedule.batch_size:
+                break
+            window = schedule.plan(available)
+            plan.windows.append(window)
+            for j in range(window.num_micro_batches):
+                start = position + window.offset(j, self.rank)
+                size = window.sizes[j][self.rank]
+                # a rank left without samples in a tiny tail still steps: it feeds one sample that
+                # the callback weighs by zero
+                yield order[start : start + size] if size else [order[position]]
+            position += window.total
+
+    def __len__(self) -> int:
+        """Micro-batches of an epoch at the batch size asked for now (Lightning only uses it as a hint)."""
+        n = self._num_samples()
+        schedule = self.schedule
+        full, tail = divmod(n, max(1, min(schedule.batch_size, n)))
+        count = full * schedule.plan(schedule.batch_size).num_micro_batches
+        if tail and not self.drop_last:
+            count += schedule.plan(tail).num_micro_batches
+        return max(count, 1)
