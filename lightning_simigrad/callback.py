@@ -169,7 +169,6 @@ class SimiGrad(Callback):
         # the shuffling seed comes from torch's RNG (so `seed_everything` governs it) and rank 0's wins
         seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
         self._seed = int(trainer.strategy.broadcast(seed, src=0))
-        self._trainer = trainer
         self._source = trainer.fit_loop._data_source
         trainer.fit_loop._data_source = _AdaptiveDataLoaderSource(self._source, trainer, self)
 
@@ -227,7 +226,7 @@ class SimiGrad(Callback):
             world_size=world,
             min_micro_batches=min_micro_batches,
             seed=self._loaded.get("seed", self._seed),
-            epoch=lambda: trainer.current_epoch,
+            epoch=lambda: _epoch_being_trained(trainer),
         )
         if "epoch" in self._loaded:
             self.schedule.resume_from = (self._loaded["epoch"], self._loaded["epoch_samples_done"])
@@ -250,15 +249,10 @@ class SimiGrad(Callback):
             self._ranks.register(trainer.strategy.model)
 
     @override
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        _free_epoch_length(trainer)
-
-    @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        _free_epoch_length(trainer)  # again: a reloaded DataLoader set the length anew
         assert self.schedule is not None
         resume = self.schedule.resume_from
-        self._epoch_samples_done = resume[1] if resume and resume[0] == trainer.current_epoch else 0
+        self._epoch_samples_done = resume[1] if resume and resume[0] == _epoch_being_trained(trainer) else 0
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -318,15 +312,17 @@ class SimiGrad(Callback):
             torch._foreach_mul_(grads, window.total / averaged)
             self._halves.reset()
         else:
+            # under a GradScaler the gradients were unscaled just before this hook; what was measured
+            # earlier (the midpoint snapshot, the comm hook's buckets) is still scaled
             inv_scale = _inverse_loss_scale(trainer)
             if self._ranks is not None:
                 stats = self._ranks.collect()
+                if stats is not None and inv_scale != 1.0:
+                    stats = stats.scaled(inv_scale)
             else:
                 split = window.half_split()
                 n_a = sum(sum(m) for m in window.sizes[:split])
-                stats = self._halves.collect(n_a, window.total - n_a, inv_scale=1.0)
-            if stats is not None and inv_scale != 1.0:
-                stats = stats.scaled(inv_scale)
+                stats = self._halves.collect(n_a, window.total - n_a, inv_scale=inv_scale)
         self.samples_seen += averaged
         self._epoch_samples_done += averaged
         if stats is not None:
@@ -369,7 +365,8 @@ class SimiGrad(Callback):
             "steps": self.steps,
             "accumulation": self._window.num_micro_batches if self._window is not None else 0,
             "seed": self.schedule.seed,
-            "epoch": self._trainer.current_epoch,
+            # the epoch the counted samples belong to: the one whose windows are being trained
+            "epoch": self.schedule.current.epoch,
             "epoch_samples_done": self._epoch_samples_done,
         }
 
@@ -417,6 +414,17 @@ def _refuse_unsupported(trainer: pl.Trainer, pl_module: pl.LightningModule) -> N
             f" `{type(strategy).__name__}`. DeepSpeed and FSDP shard or accumulate gradients themselves, where the"
             " half-batch gradients cannot be measured. Use `strategy='ddp'`."
         )
+    # an epoch's number of micro-batches varies, so Lightning sees the training DataLoader as unsized
+    if isinstance(trainer.val_check_interval, float) and trainer.val_check_interval != 1.0:
+        raise RuntimeError(
+            f"SimiGrad varies the number of micro-batches per epoch, so `val_check_interval` cannot be a fraction of"
+            f" an epoch (got {trainer.val_check_interval}). Use 1.0 or an int (every k micro-batches)."
+        )
+    if isinstance(trainer.limit_train_batches, float) and trainer.limit_train_batches not in (0.0, 1.0):
+        raise RuntimeError(
+            f"SimiGrad varies the number of micro-batches per epoch, so `limit_train_batches` cannot be a fraction"
+            f" (got {trainer.limit_train_batches}). Use an int number of micro-batches."
+        )
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
         if isinstance(callback, GradientAccumulationScheduler):
             raise RuntimeError(
@@ -450,13 +458,10 @@ def _check_dataloader(loader: Any) -> None:
         )
 
 
-def _free_epoch_length(trainer: pl.Trainer) -> None:
-    """Let the epoch run until the sampler is exhausted: its number of micro-batches varies."""
-    if trainer.limit_train_batches != 1.0:
-        return  # the user limits the epoch: Lightning's count stands, a cut window is re-weighed
-    trainer.fit_loop.max_batches = float("inf")
-    if isinstance(trainer.val_check_interval, float) and trainer.val_check_interval == 1.0:
-        trainer.val_check_batch = float("inf")  # validate when the epoch ends, whatever its length
+def _epoch_being_trained(trainer: pl.Trainer) -> int:
+    # what Lightning gives samplers' `set_epoch`; unlike `current_epoch` it is already the next epoch
+    # when a run resumes from a checkpoint written at an epoch's end
+    return trainer.fit_loop.epoch_progress.current.processed
 
 
 def _inverse_loss_scale(trainer: pl.Trainer) -> float:

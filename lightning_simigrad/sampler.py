@@ -31,6 +31,7 @@ __all__ = ["AdaptiveBatchSampler", "EpochPlan", "WindowSchedule"]
 class EpochPlan:
     """The windows one epoch's iterator has planned so far, and the training side's cursor in them."""
 
+    epoch: int = 0
     windows: list[Window] = field(default_factory=list)
     _window: int = 0
     _micro: int = -1
@@ -154,7 +155,7 @@ class AdaptiveBatchSampler(BatchSampler):
         position = 0
         if schedule.resume_from is not None and schedule.resume_from[0] == epoch:
             position = schedule.resume_from[1]
-        plan = EpochPlan()
+        plan = EpochPlan(epoch)
         schedule.current = plan
         while position < len(order):
             available = len(order) - position
@@ -171,11 +172,7 @@ class AdaptiveBatchSampler(BatchSampler):
             position += window.total
 
     def __len__(self) -> int:
-        """Micro-batches of an epoch at the batch size asked for now (Lightning only uses it as a hint)."""
-        n = self._num_samples()
-        schedule = self.schedule
-        full, tail = divmod(n, max(1, min(schedule.batch_size, n)))
-        count = full * schedule.plan(schedule.batch_size).num_micro_batches
-        if tail and not self.drop_last:
-            count += schedule.plan(tail).num_micro_batches
-        return max(count, 1)
+        # The number of micro-batches in an epoch depends on decisions not taken yet. Lightning reads a
+        # length as a promise (it ends the epoch when that many batches were fetched), so there is none:
+        # Lightning then finds the epoch's end by fetching one batch ahead.
+        raise TypeError("an adaptive batch sampler has no length: its epoch's micro-batch count is decided as it goes")

@@ -1,0 +1,63 @@
+"""Small models and data for the integration tests: every sample carries its index."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+
+class IndexedRegression(Dataset):
+    """Noisy linear regression; item ``i`` is ``(i, x_i, y_i)``."""
+
+    def __init__(self, n: int = 300, dim: int = 6, seed: int = 0, dtype: torch.dtype = torch.float64) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, dim, generator=g, dtype=dtype)
+        self.y = self.x @ torch.randn(dim, 1, generator=g, dtype=dtype) + 0.5 * torch.randn(n, 1, generator=g, dtype=dtype)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        return i, self.x[i], self.y[i]
+
+
+class Regressor(pl.LightningModule):
+    """A small MLP returning the mean squared error; records the indices of every micro-batch it trains on."""
+
+    def __init__(self, dim: int = 6, lr: float = 0.05, dtype: torch.dtype = torch.float64, scheduler: bool = False):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(dim, 8), nn.Tanh(), nn.Linear(8, 1)).to(dtype)
+        self.lr = lr
+        self.use_scheduler = scheduler
+        self.micro_batches: list[list[int]] = []
+
+    def loss(self, x, y):
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def training_step(self, batch, batch_idx):
+        idx, x, y = batch
+        self.micro_batches.append(idx.tolist())
+        return self.loss(x, y)
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        if not self.use_scheduler:
+            return optimizer
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def trainer(**kwargs) -> pl.Trainer:
+    defaults = dict(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    return pl.Trainer(**(defaults | kwargs))

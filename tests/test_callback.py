@@ -1,0 +1,165 @@
+"""The SimiGrad callback on one process, in real Trainer fits on CPU."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from helpers import IndexedRegression, Regressor, trainer
+from torch.utils.data import DataLoader
+
+from lightning_simigrad import SimiGrad
+
+
+class StepRecorder(pl.Callback):
+    """After SimiGrad (later in the callback list): each step's samples, reference gradient and halves."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+        self.steps: list[dict] = []
+        self._consumed = 0
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        micro = pl_module.micro_batches[self._consumed :]
+        self._consumed = len(pl_module.micro_batches)
+        indices = [i for m in micro for i in m]
+        grads = [p.grad.detach().clone() for p in pl_module.parameters()]
+        reference = self._gradient(pl_module, indices)
+        half = len(micro) // 2
+        g_a = self._gradient(pl_module, [i for m in micro[:half] for i in m]) if half else None
+        g_b = self._gradient(pl_module, [i for m in micro[half:] for i in m]) if half else None
+        self.steps.append(dict(micro=micro, indices=indices, grads=grads, reference=reference, g_a=g_a, g_b=g_b))
+
+    def _gradient(self, pl_module, indices):
+        model = copy.deepcopy(pl_module)
+        model.zero_grad()
+        x, y = self.dataset.x[indices], self.dataset.y[indices]
+        model.loss(x, y).backward()  # the mean loss over exactly these samples
+        return [p.grad for p in model.parameters()]
+
+
+def flat(tensors):
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def fit(simigrad, n=300, batch_size=16, num_workers=0, drop_last=False, shuffle=True, model=None, **trainer_kwargs):
+    dataset = IndexedRegression(n)
+    recorder = StepRecorder(dataset)
+    model = model or Regressor()
+    loader = DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, num_workers=num_workers, drop_last=drop_last)
+    t = trainer(callbacks=[simigrad, recorder], **trainer_kwargs)
+    t.fit(model, loader)
+    return t, model, recorder
+
+
+@pytest.mark.parametrize(
+    "num_workers,drop_last,max_micro",
+    [(0, False, None), (2, False, 8), (0, True, 5), (2, True, None)],
+)
+def test_every_step_averages_exactly_its_samples(num_workers, drop_last, max_micro):
+    cb = SimiGrad(target_similarity=0.9, max_micro_batch_size=max_micro, max_batch_size=120)
+    t, model, rec = fit(cb, num_workers=num_workers, drop_last=drop_last, max_epochs=2)
+    assert len(rec.steps) == len(cb.history) == t.global_step
+    sizes = [len(s["indices"]) for s in rec.steps]
+    assert [int(h["batch_size"]) for h in cb.history] == sizes
+    assert len(set(sizes)) > 2  # the batch did move
+    cap = max_micro or 16
+    for step, row in zip(rec.steps, cb.history):
+        assert max(len(m) for m in step["micro"]) <= cap
+        assert row["accumulation"] == len(step["micro"]) >= 2
+        # the gradient the optimizer steps with is the mean-loss gradient over exactly these samples
+        torch.testing.assert_close(flat(step["grads"]), flat(step["reference"]), rtol=1e-9, atol=1e-12)
+    # every epoch feeds each sample once; with drop_last only a tail smaller than its window is left out
+    seen = [i for s in rec.steps for i in s["indices"]]
+    counts = torch.bincount(torch.tensor(seen), minlength=300)
+    if not drop_last:
+        assert counts.tolist() == [2] * 300
+    else:
+        assert counts.max() <= 2
+        assert 0 < 600 - len(seen) < 2 * 120  # at most one window's worth dropped per epoch
+    assert cb.history[-1]["samples_seen"] == len(seen)
+
+
+def test_epoch_coverage_with_shuffle_and_workers():
+    cb = SimiGrad(target_similarity=0.5)
+    t, model, rec = fit(cb, n=257, batch_size=10, num_workers=2, max_epochs=3)
+    seen = [i for s in rec.steps for i in s["indices"]]
+    assert len(seen) == 3 * 257
+    epochs, start = [], 0
+    for _ in range(3):
+        epochs.append(seen[start : start + 257])
+        start += 257
+    for e in epochs:
+        assert sorted(e) == list(range(257))  # exactly once per epoch, epoch tail included
+    assert epochs[0] != epochs[1]  # shuffled anew each epoch
+
+
+def test_similarity_is_the_cosine_of_the_window_halves():
+    cb = SimiGrad(target_similarity=0.8, max_micro_batch_size=6)
+    t, model, rec = fit(cb, max_epochs=1)
+    for step, row in zip(rec.steps, cb.history):
+        g_a, g_b = flat(step["g_a"]), flat(step["g_b"])
+        cosine = float(g_a @ g_b / (g_a.norm() * g_b.norm()))
+        assert row["similarity"] == pytest.approx(cosine, abs=1e-9)
+
+
+def test_adjust_false_measures_and_never_changes_the_batch():
+    cb = SimiGrad(target_similarity=0.99, adjust=False)
+    t, model, rec = fit(cb, n=320, batch_size=16)
+    assert {h["batch_size"] for h in cb.history} == {16.0}
+    assert all(math.isfinite(h["similarity"]) for h in cb.history)
+    assert cb.controller.measured_steps == t.global_step
+
+
+def test_learning_rate_is_scaled_only_inside_the_step():
+    seen = []
+
+    class LrProbe(pl.Callback):
+        def on_fit_start(self, trainer, pl_module):
+            optimizer = trainer.optimizers[0]
+            optimizer.register_step_pre_hook(lambda opt, a, k: seen.append(opt.param_groups[0]["lr"]))
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            scheduler = trainer.lr_scheduler_configs[0].scheduler
+            assert trainer.optimizers[0].param_groups[0]["lr"] == scheduler.get_last_lr()[0]
+
+    cb = SimiGrad(target_similarity=0.95, lr_scaling="sqrt")
+    dataset = IndexedRegression(300)
+    model = Regressor(scheduler=True)
+    t = trainer(callbacks=[cb, LrProbe()], gradient_clip_val=0.5)
+    t.fit(model, DataLoader(dataset, batch_size=16, shuffle=True))
+    scheduled = [0.05 * 0.5 ** (step // 3) for step in range(t.global_step)]
+    for lr, sched, row in zip(seen, scheduled, cb.history):
+        assert row["lr_scale"] == pytest.approx(math.sqrt(row["batch_size"] / 16))
+        assert lr == pytest.approx(sched * row["lr_scale"])
+    assert len(seen) == t.global_step
+
+
+def test_logged_metrics_reach_the_loggers(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    cb = SimiGrad(target_similarity=0.8)
+    dataset = IndexedRegression(200)
+    t = trainer(callbacks=[cb], logger=CSVLogger(tmp_path), log_every_n_steps=50)
+    t.fit(Regressor(), DataLoader(dataset, batch_size=16))
+    import csv
+
+    rows = list(csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))))
+    logged = [r for r in rows if r.get("simigrad/batch_size")]
+    assert len(logged) == t.global_step  # every optimizer step, not every 50
+    for name in ("batch_size", "similarity", "lr_scale", "micro_batch_size", "accumulation", "samples_seen",
+                 "noise_scale"):
+        assert f"simigrad/{name}" in rows[0]
+    assert [float(r["simigrad/batch_size"]) for r in logged] == [h["batch_size"] for h in cb.history]
+
+
+def test_a_limited_epoch_cuts_the_window_and_still_averages_what_it_fed():
+    cb = SimiGrad(target_similarity=0.8, initial_batch_size=64, max_micro_batch_size=8)
+    t, model, rec = fit(cb, limit_train_batches=11)
+    # windows of 8 micro-batches: the 11th micro-batch is the 3rd of the second window, stepped early
+    assert [len(s["micro"]) for s in rec.steps] == [8, 3]
+    assert cb.history[-1]["batch_size"] == len(rec.steps[-1]["indices"]) == sum(map(len, rec.steps[-1]["micro"]))
+    torch.testing.assert_close(flat(rec.steps[-1]["grads"]), flat(rec.steps[-1]["reference"]), rtol=1e-9, atol=1e-12)

@@ -1,0 +1,114 @@
+import math
+
+import pytest
+
+from lightning_simigrad import BatchSizeController, HalfStats, equilibrium_batch_size
+
+
+def stats(similarity: float, n: int = 50, noise_scale: float | None = None) -> HalfStats:
+    """Halves of unit norm with the given cosine; optionally with |G|^2 and tr(Sigma) for a noise scale."""
+    if noise_scale is None:
+        return HalfStats(dot=similarity, sq_a=1.0, sq_b=1.0, n_a=n, n_b=n)
+    # choose |G|^2 = 1 and tr(Sigma) = noise_scale: |g_A - g_B|^2 = tr(Sigma) * 2 / n, |g|^2 = 1 + tr / n
+    sq = 1.0 + noise_scale / n
+    return HalfStats(dot=1.0, sq_a=sq, sq_b=sq, n_a=n, n_b=n)
+
+
+def test_paper_rule_grows_and_shrinks_by_its_factors():
+    c = BatchSizeController(0.8, initial_batch_size=100)
+    assert c.update(stats(0.5)) == 110
+    assert c.update(stats(0.5)) == 121
+    assert c.update(stats(0.95)) == round(121 * 0.9)
+    assert c.similarity == pytest.approx(0.95)
+
+
+def test_small_sizes_still_move():
+    # 2 * 1.1 = 2.2 rounds back to 2; the real-valued state keeps growing until it shows
+    c = BatchSizeController(0.8, initial_batch_size=2)
+    sizes = [c.update(stats(0.0)) for _ in range(10)]
+    assert sizes[-1] == round(2 * 1.1**10)
+
+
+def test_bounds_clamp_both_ways():
+    c = BatchSizeController(0.8, initial_batch_size=100, min_batch_size=90, max_batch_size=115)
+    assert [c.update(stats(0.0)) for _ in range(3)] == [110, 115, 115]
+    assert [c.update(stats(0.99)) for _ in range(4)] == [104, 93, 90, 90]
+    assert BatchSizeController(0.8, initial_batch_size=10, min_batch_size=64).batch_size == 64
+
+
+def test_deadband_and_warmup_hold_still():
+    c = BatchSizeController(0.8, initial_batch_size=100, deadband=0.05, warmup_steps=2)
+    assert c.update(stats(0.0)) == 100  # warm-up
+    assert c.update(stats(0.0)) == 100  # warm-up
+    assert c.update(stats(0.77)) == 100  # inside the deadband
+    assert c.update(stats(0.70)) == 110
+
+
+def test_adjust_false_measures_but_holds():
+    c = BatchSizeController(0.8, initial_batch_size=100)
+    assert c.update(stats(0.1), adjust=False) == 100
+    assert c.measured_steps == 1
+    assert c.similarity == pytest.approx(0.1)
+
+
+def test_non_finite_measurements_are_ignored():
+    c = BatchSizeController(0.8, initial_batch_size=100)
+    assert c.update(HalfStats(math.inf, 1.0, 1.0, 50, 50)) == 100
+    assert c.update(HalfStats(math.nan, math.nan, 1.0, 50, 50)) == 100
+    assert c.measured_steps == 0
+    assert math.isnan(c.similarity)
+
+
+def test_smoothing_averages_the_similarity():
+    c = BatchSizeController(0.8, initial_batch_size=100, smoothing=0.5)
+    c.update(stats(0.4))
+    assert c.similarity == pytest.approx(0.4)  # bias-corrected: the first value is itself
+    c.update(stats(1.0))
+    # EMA (0.5 * 0.4 * 0.5 + 0.5 * 1.0) / (1 - 0.25)
+    assert c.similarity == pytest.approx((0.1 + 0.5) / 0.75)
+
+
+def test_noise_scale_rule_jumps_to_equilibrium():
+    c = BatchSizeController(0.8, initial_batch_size=64, rule="noise_scale")
+    assert c.update(stats(0.0, noise_scale=300.0)) == round(equilibrium_batch_size(300.0, 0.8))
+    assert c.noise_scale == pytest.approx(300.0)
+    # numerator and denominator are smoothed separately, then divided
+    c.update(stats(0.0, noise_scale=100.0))
+    assert c.noise_scale == pytest.approx(((0.9 * 0.1 * 300 + 0.1 * 100) / 0.19) / 1.0)
+
+
+def test_state_dict_round_trip_continues_identically():
+    a = BatchSizeController(0.5, initial_batch_size=100, smoothing=0.7, rule="paper")
+    for s in (0.1, 0.9, 0.3):
+        a.update(stats(s))
+    b = BatchSizeController(0.5, initial_batch_size=7, smoothing=0.7)
+    b.load_state_dict(a.state_dict())
+    assert b.batch_size == a.batch_size
+    for s in (0.2, 0.8):
+        assert a.update(stats(s)) == b.update(stats(s))
+    assert a.similarity == b.similarity and a.noise_scale == b.noise_scale
+
+
+@pytest.mark.parametrize(
+    "kwargs,name",
+    [
+        (dict(target_similarity=1.0), "target_similarity"),
+        (dict(target_similarity=-1.2), "target_similarity"),
+        (dict(target_similarity="0.8"), "target_similarity"),
+        (dict(min_batch_size=0), "min_batch_size"),
+        (dict(max_batch_size=-4), "max_batch_size"),
+        (dict(min_batch_size=128, max_batch_size=64), "min_batch_size"),
+        (dict(rule="adaptive"), "controller"),
+        (dict(grow_factor=0.9), "grow_factor"),
+        (dict(shrink_factor=1.1), "shrink_factor"),
+        (dict(smoothing=1.0), "smoothing"),
+        (dict(deadband=-0.1), "deadband"),
+        (dict(warmup_steps=-1), "warmup_steps"),
+        (dict(initial_batch_size=0), "initial_batch_size"),
+    ],
+)
+def test_bad_arguments_name_themselves(kwargs, name):
+    args = dict(target_similarity=0.8, initial_batch_size=64) | kwargs
+    with pytest.raises(ValueError, match=f"`{name}`") as info:
+        BatchSizeController(**args)
+    assert str(list(kwargs.values())[-1]) in str(info.value)  # the message shows the bad value

@@ -1,0 +1,59 @@
+"""The batch size settles where theory puts it, on a problem whose noise scale is known exactly.
+
+Each sample ``i`` carries a vector ``v_i = G + sigma * xi_i`` and its loss is ``w . v_i``, so its gradient is
+``v_i`` whatever ``w`` is: a stationary problem with ``|G|^2 = 1`` and ``tr(Sigma) = d sigma^2``, hence a
+simple noise scale ``B_noise = d sigma^2`` and, for a target similarity ``tau``, an equilibrium batch
+``B* = 2 B_noise tau / (1 - tau)``.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from helpers import trainer
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_simigrad import SimiGrad, equilibrium_batch_size
+
+DIM, NOISE_SCALE, N = 128, 25.0, 16_000
+
+
+def known_noise_dataset(seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    G = torch.zeros(DIM)
+    G[0] = 1.0
+    sigma = (NOISE_SCALE / DIM) ** 0.5
+    return TensorDataset(G + sigma * torch.randn(N, DIM, generator=g))
+
+
+class LinearLoss(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(DIM))
+
+    def training_step(self, batch, batch_idx):
+        (v,) = batch
+        return (v @ self.w).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)  # the gradients do not depend on w anyway
+
+
+@pytest.mark.parametrize("controller", ["paper", "noise_scale"])
+def test_batch_size_settles_at_the_equilibrium(controller):
+    target = 0.8
+    expected = equilibrium_batch_size(NOISE_SCALE, target)  # 200
+    cb = SimiGrad(target_similarity=target, controller=controller, max_micro_batch_size=256)
+    t = trainer(callbacks=[cb], max_steps=160, max_epochs=-1)
+    t.fit(LinearLoss(), DataLoader(known_noise_dataset(), batch_size=32, shuffle=True))
+    sizes = [h["batch_size"] for h in cb.history]
+    assert sizes[0] == 32
+    settled = statistics.median(sizes[-60:])
+    assert 0.8 * expected <= settled <= 1.25 * expected, (settled, expected)
+    # the noise scale it measures on the way is the true one
+    assert cb.history[-1]["noise_scale"] == pytest.approx(NOISE_SCALE, rel=0.2)
+    similarity = statistics.mean(h["similarity"] for h in cb.history[-60:])
+    assert similarity == pytest.approx(target, abs=0.05)
