@@ -159,6 +159,17 @@ class SimiGrad(Callback):
         """The global batch size the next window will be planned with (None before fit)."""
         return self.schedule.batch_size if self.schedule is not None else None
 
+    @property
+    def local_samples(self) -> int:
+        """Samples this rank contributes in the current micro-batch (0: a zero-weight padding sample).
+
+        A window smaller than the world size (a tiny epoch tail) leaves some ranks without a sample;
+        they still run a step, on one sample whose loss is weighed by 0.
+        """
+        if self._window is None:
+            return 0
+        return self._window.sizes[self._micro][self._rank]
+
     # ------------------------------------------------------------------------------ setup
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -270,7 +281,7 @@ class SimiGrad(Callback):
         if micro == 0:
             self._halves.reset()
         last = micro == window.num_micro_batches - 1
-        local = window.sizes[micro][self._rank]
+        local = self.local_samples
         self._accumulation.set_micro_batch(
             start=micro == 0,
             end=last,
@@ -280,7 +291,10 @@ class SimiGrad(Callback):
         # the step-time learning rate still matches the samples it averages
         self._lr.factor = lr_factor(self._samples_through(micro), self._b0, self.lr_scaling, self.lr_scaling_blend)
         if last and self._ranks is not None:
-            self._ranks.arm(window.samples_per_rank())
+            per_rank = window.samples_per_rank()
+            groups = {self._ranks.group_of(r) for r, n in enumerate(per_rank) if n}
+            if len(groups) == 2:  # a tiny tail may leave one rank group without samples: nothing to compare
+                self._ranks.arm(per_rank)
 
     def _samples_through(self, micro: int) -> int:
         assert self._window is not None
