@@ -475,7 +475,7 @@ def _check_dataloader(loader: Any) -> None:
 def _epoch_being_trained(trainer: pl.Trainer) -> int:
     # what Lightning gives samplers' `set_epoch`; unlike `current_epoch` it is already the next epoch
     # when a run resumes from a checkpoint written at an epoch's end
-    return trainer.fit_loop.epoch_progress.current.processed
+    return int(trainer.fit_loop.epoch_progress.current.processed)  # type: ignore[attr-defined]
 
 
 def _inverse_loss_scale(trainer: pl.Trainer) -> float:

@@ -10,8 +10,9 @@ snapshot of the gradient at the midpoint gives both halves:
     g_A = \frac{N}{n_A}\, s, \qquad g_B = \frac{N}{n_B}\, (t - s).
 
 The snapshot is the only gradient-sized buffer this costs (allocated once, filled with one fused
-``_foreach_copy_`` per window). The dot products are taken tensor by tensor, so no flat copy of the
-whole gradient is ever made; the difference :math:`t - s` exists for one tensor at a time. Under a
+``_foreach_copy_`` per window). The dot products :math:`s \cdot s`, :math:`s \cdot t`,
+:math:`t \cdot t` are taken tensor by tensor straight from the buffers, so no flat copy of the
+gradient and no temporary is ever made; the second half's products follow from them. Under a
 ``GradScaler`` the snapshot holds scaled gradients while the window's end is read after unscaling:
 ``inv_scale`` brings them to the same units.
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from lightning_simigrad._dots import gram
 from lightning_simigrad.statistics import HalfStats
 
 __all__ = ["WindowHalvesMeasurement"]
@@ -59,19 +61,11 @@ class WindowHalvesMeasurement:
             return None
         self._taken = False
         total = n_a + n_b
-        sums = torch.zeros(3, dtype=torch.float64, device=self._buffers[0].device if self._buffers else "cpu")
-        for param, snap in zip(self._params, self._buffers):
-            end = param.grad
-            if end is None:
-                continue
-            s = snap.mul(inv_scale) if inv_scale != 1.0 else snap
-            rest = end - s  # the second half's (weighted) sum, one tensor at a time
-            if s.dtype in (torch.float16, torch.bfloat16):  # low-precision dots lose the small differences
-                s, rest = s.float(), rest.float()
-            s64, r64 = s.reshape(-1), rest.reshape(-1)
-            sums[0] += torch.dot(s64, r64).double()
-            sums[1] += torch.dot(s64, s64).double()
-            sums[2] += torch.dot(r64, r64).double()
-        dot, ss, rr = sums.tolist()  # one device sync per window
+        # the second half is t - s: its products follow from s.s, s.t and t.t (both halves carry
+        # comparable weight, so the subtraction costs only a few ulps)
+        dots = [gram(snap, param.grad) for param, snap in zip(self._params, self._buffers) if param.grad is not None]
+        ss, st, tt = torch.stack(dots).sum(0).tolist()  # one device sync per window
+        ss, st = ss * inv_scale * inv_scale, st * inv_scale
+        dot, rr = st - ss, tt - 2.0 * st + ss
         fa, fb = total / n_a, total / n_b
-        return HalfStats(dot=dot * fa * fb, sq_a=ss * fa * fa, sq_b=rr * fb * fb, n_a=n_a, n_b=n_b)
+        return HalfStats(dot=dot * fa * fb, sq_a=ss * fa * fa, sq_b=max(rr, 0.0) * fb * fb, n_a=n_a, n_b=n_b)
