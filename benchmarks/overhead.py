@@ -82,16 +82,21 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--steps", type=int, default=14)
     args = parser.parse_args()
-    data = TensorDataset(torch.randn(MICRO * WINDOW * (args.steps + 2), 1024), torch.randint(0, 512, (MICRO * WINDOW * (args.steps + 2),)))
+    data = TensorDataset(
+        torch.randn(MICRO * WINDOW * (args.steps + 2), 1024),
+        torch.randint(0, 512, (MICRO * WINDOW * (args.steps + 2),)),
+    )
     params = sum(p.numel() for p in MLP().parameters())
-    print(f"model: {params / 1e6:.1f}M parameters; micro-batch {MICRO}, window {WINDOW}, {torch.get_num_threads()} threads")
+    threads = torch.get_num_threads()
+    print(f"model: {params / 1e6:.1f}M parameters; micro-batch {MICRO}, window {WINDOW}, {threads} threads")
     ratios = []
     for pair in range(args.pairs):
         # alternate which side runs first, so drift in the machine's speed falls on both
         order = (False, True) if pair % 2 == 0 else (True, False)
         times = {side: timed_fit(side, args.steps, data) for side in order}
         ratios.append(times[True] / times[False])
-        print(f"pair {pair}: plain {times[False] * 1e3:7.1f} ms/step   simigrad {times[True] * 1e3:7.1f} ms/step   ratio {ratios[-1]:.3f}")
+        plain, ours = times[False] * 1e3, times[True] * 1e3
+        print(f"pair {pair}: plain {plain:7.1f} ms/step   simigrad {ours:7.1f} ms/step   ratio {ratios[-1]:.3f}")
     print(f"median step-time ratio SimiGrad(adjust=False) / plain accumulation: {statistics.median(ratios):.3f}")
 
 

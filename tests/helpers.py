@@ -14,7 +14,9 @@ class IndexedRegression(Dataset):
     def __init__(self, n: int = 300, dim: int = 6, seed: int = 0, dtype: torch.dtype = torch.float64) -> None:
         g = torch.Generator().manual_seed(seed)
         self.x = torch.randn(n, dim, generator=g, dtype=dtype)
-        self.y = self.x @ torch.randn(dim, 1, generator=g, dtype=dtype) + 0.5 * torch.randn(n, 1, generator=g, dtype=dtype)
+        self.y = self.x @ torch.randn(dim, 1, generator=g, dtype=dtype) + 0.5 * torch.randn(
+            n, 1, generator=g, dtype=dtype
+        )
 
     def __len__(self) -> int:
         return len(self.x)

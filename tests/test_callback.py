@@ -147,11 +147,19 @@ def test_logged_metrics_reach_the_loggers(tmp_path):
     t.fit(Regressor(), DataLoader(dataset, batch_size=16))
     import csv
 
-    rows = list(csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))))
+    with open(next(tmp_path.rglob("metrics.csv"))) as f:
+        rows = list(csv.DictReader(f))
     logged = [r for r in rows if r.get("simigrad/batch_size")]
     assert len(logged) == t.global_step  # every optimizer step, not every 50
-    for name in ("batch_size", "similarity", "lr_scale", "micro_batch_size", "accumulation", "samples_seen",
-                 "noise_scale"):
+    for name in (
+        "batch_size",
+        "similarity",
+        "lr_scale",
+        "micro_batch_size",
+        "accumulation",
+        "samples_seen",
+        "noise_scale",
+    ):
         assert f"simigrad/{name}" in rows[0]
     assert [float(r["simigrad/batch_size"]) for r in logged] == [h["batch_size"] for h in cb.history]
 

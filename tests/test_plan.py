@@ -7,8 +7,16 @@ from lightning_simigrad import plan_window
 
 @pytest.mark.parametrize(
     "batch_size,available,world,micro,min_k,even",
-    list(itertools.product([1, 2, 3, 7, 64, 65, 100, 127, 128, 129, 1000, 4097], [5, 10_000], [1, 2, 3, 4],
-                           [1, 8, 64], [1, 2], [False, True])),
+    list(
+        itertools.product(
+            [1, 2, 3, 7, 64, 65, 100, 127, 128, 129, 1000, 4097],
+            [5, 10_000],
+            [1, 2, 3, 4],
+            [1, 8, 64],
+            [1, 2],
+            [False, True],
+        )
+    ),
 )
 def test_plans_are_exact_balanced_and_bounded(batch_size, available, world, micro, min_k, even):
     w = plan_window(batch_size, available, world, micro, min_k, even)

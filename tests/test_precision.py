@@ -9,9 +9,10 @@ import pytest
 import torch
 from helpers import IndexedRegression, Regressor, trainer
 from lightning.pytorch.plugins.precision import MixedPrecision
+from test_callback import StepRecorder, flat
 from torch.utils.data import DataLoader
 
-from lightning_simigrad import SimiGrad
+from lightning_simigrad import BatchSizeController, HalfStats, SimiGrad
 
 
 class FiniteProbe(pl.Callback):
@@ -40,16 +41,25 @@ def fp16_with_loss_scaling() -> MixedPrecision:
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
 def test_mixed_precision_measures_in_unscaled_units(precision):
-    cb, probe = SimiGrad(target_similarity=0.8), FiniteProbe()
     kwargs = dict(plugins=[fp16_with_loss_scaling()]) if precision == "16-mixed" else dict(precision=precision)
-    t = trainer(callbacks=[cb, probe], max_epochs=2, **kwargs)
-    model = Regressor(dtype=torch.float32)
-    t.fit(model, DataLoader(IndexedRegression(256, dtype=torch.float32), batch_size=16, shuffle=True))
-    measured = [h for h in cb.history if math.isfinite(h["similarity"])]
-    assert len(measured) >= t.global_step - 2
-    # B_noise = tr(Sigma) / |G|^2 is scale-free only if both halves are unscaled alike: under a loss scale of
-    # 2^16 a half left scaled would put it off by orders of magnitude
-    assert 0.1 < cb.history[-1]["noise_scale"] < 1e3
+    pl.seed_everything(0)
+    dataset = IndexedRegression(256, dtype=torch.float32)
+    cb, recorder = SimiGrad(target_similarity=0.8, adjust=False), StepRecorder(dataset)
+    t = trainer(callbacks=[cb, recorder], max_epochs=2, **kwargs)
+    t.fit(Regressor(dtype=torch.float32), DataLoader(dataset, batch_size=16))
+    # the same statistics from full-precision gradients of the same halves, fed to a fresh controller
+    reference = BatchSizeController(target_similarity=0.8, initial_batch_size=16)
+    for step, row in zip(recorder.steps, cb.history):
+        if not math.isfinite(row["similarity"]):
+            continue  # an overflowed step the scaler skipped
+        a, b = flat(step["g_a"]), flat(step["g_b"])
+        stats = HalfStats(float(a @ b), float(a @ a), float(b @ b), 8, 8)
+        assert row["similarity"] == pytest.approx(stats.similarity, abs=0.02)
+        reference.update(stats, adjust=False)
+    assert reference.measured_steps >= t.global_step - 2
+    # B_noise = tr(Sigma) / |G|^2 is not scale-free: a half left scaled by the GradScaler's 2^15 would put it
+    # orders of magnitude off
+    assert cb.controller.noise_scale == pytest.approx(reference.noise_scale, rel=0.1)
 
 
 def test_overflowed_steps_are_skipped_by_the_controller():

@@ -84,8 +84,9 @@ def test_fsdp_is_refused():
 
     from lightning_simigrad.callback import _refuse_unsupported
 
-    fake_trainer = SimpleNamespace(strategy=FSDPStrategy(), callbacks=[], val_check_interval=1.0,
-                                   limit_train_batches=1.0)
+    fake_trainer = SimpleNamespace(
+        strategy=FSDPStrategy(), callbacks=[], val_check_interval=1.0, limit_train_batches=1.0
+    )
     with pytest.raises(RuntimeError, match="FSDPStrategy"):
         _refuse_unsupported(fake_trainer, Regressor())
 
@@ -118,5 +119,8 @@ def test_a_loader_without_batch_size_is_refused():
 
 
 def test_several_loaders_are_refused():
-    loaders = {"a": DataLoader(IndexedRegression(64), batch_size=8), "b": DataLoader(IndexedRegression(64), batch_size=8)}
+    loaders = {
+        "a": DataLoader(IndexedRegression(64), batch_size=8),
+        "b": DataLoader(IndexedRegression(64), batch_size=8),
+    }
     fit_expecting_error("one `torch.utils.data.DataLoader`", loader=loaders)

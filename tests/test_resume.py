@@ -16,8 +16,9 @@ def run(tmp_path, max_epochs, ckpt_path=None, every_n_train_steps=None, max_step
     pl.seed_everything(0)
     model = Regressor()
     cb = SimiGrad(target_similarity=0.9, smoothing=0.5, max_batch_size=150)
-    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=-1,
-                                 every_n_train_steps=every_n_train_steps)
+    checkpoint = ModelCheckpoint(
+        dirpath=tmp_path, save_last=True, save_top_k=-1, every_n_train_steps=every_n_train_steps
+    )
     t = trainer(callbacks=[cb, checkpoint], max_epochs=max_epochs, max_steps=max_steps, enable_checkpointing=True)
     t.fit(model, DataLoader(IndexedRegression(300), batch_size=16, shuffle=True), ckpt_path=ckpt_path)
     return t, cb, model

@@ -48,9 +48,7 @@ def test_estimators_are_unbiased_and_similarity_matches_theory():
     G[0] = 1.0
     samples = G + sigma * torch.randn(trials, 2 * n, d, dtype=torch.float64)
     g_a, g_b = samples[:, :n].mean(1), samples[:, n:].mean(1)
-    stats = [
-        HalfStats(float(a @ b), float(a @ a), float(b @ b), n, n) for a, b in zip(g_a, g_b)
-    ]
+    stats = [HalfStats(float(a @ b), float(a @ a), float(b @ b), n, n) for a, b in zip(g_a, g_b)]
     grad_sq = sum(s.grad_sq for s in stats) / trials
     trace = sum(s.trace_sigma for s in stats) / trials
     similarity = sum(s.similarity for s in stats) / trials
