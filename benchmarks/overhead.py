@@ -1,6 +1,6 @@
 """Step-time overhead of SimiGrad on one process, against plain Lightning accumulation.
 
-    python benchmarks/overhead.py            # ~2 minutes on 2 CPU cores
+    python benchmarks/overhead.py            # ~6 minutes on 2 CPU cores
 
 Both sides train the same ~10M-parameter MLP with the same micro-batch (32) and window (4 micro-batches,
 a global batch of 128): plain Lightning with ``accumulate_grad_batches=4``, and SimiGrad with
@@ -79,8 +79,8 @@ def timed_fit(use_simigrad: bool, steps: int, data: TensorDataset) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pairs", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=14)
+    parser.add_argument("--pairs", type=int, default=9)
+    parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args()
     data = TensorDataset(
         torch.randn(MICRO * WINDOW * (args.steps + 2), 1024),

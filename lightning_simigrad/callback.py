@@ -144,6 +144,7 @@ class SimiGrad(Callback):
         self._accumulation = VariableAccumulation()
         self._lr = StepLRScaler()
         self._halves = WindowHalvesMeasurement()
+        self._stats: HalfStats | None = None  # this window's, measured at its last backward on one process
         self._ranks: Any = None  # a RankGroupMeasurement under DDP
         self._loaded: dict[str, Any] = {}
         self._source: _DataLoaderSource | None = None
@@ -279,7 +280,7 @@ class SimiGrad(Callback):
         window, micro = self.schedule.current.next_micro_batch()
         self._window, self._micro = window, micro
         if micro == 0:
-            self._halves.reset()
+            self._stats = None
         last = micro == window.num_micro_batches - 1
         local = self.local_samples
         self._accumulation.set_micro_batch(
@@ -303,14 +304,20 @@ class SimiGrad(Callback):
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         window = self._window
-        # one process: the gradient at the window's midpoint is the first half's
-        if (
-            self._ranks is None
-            and window is not None
-            and window.num_micro_batches >= 2
-            and self._micro == window.half_split() - 1
-        ):
-            self._halves.snapshot(list(pl_module.parameters()))
+        if self._ranks is not None or window is None or window.num_micro_batches < 2:
+            return
+        # one process: the halves are the window's two halves in time
+        split, halves = window.half_split(), self._halves
+        if self._micro == split - 1:
+            halves.set_aside(list(pl_module.parameters()))
+        elif self._micro == window.num_micro_batches - 1 and halves.holds_first_half:
+            # before a GradScaler unscales and checks the gradient: both halves are still scaled alike
+            n_a = sum(sum(m) for m in window.sizes[:split])
+            self._stats = halves.combine(
+                list(pl_module.parameters()), n_a, window.total - n_a, inv_scale=_inverse_loss_scale(trainer)
+            )
+        elif halves.holds_first_half and not trainer.fit_loop.epoch_loop._should_accumulate():
+            halves.restore()  # Lightning steps before the window's end (a limited epoch): re-join, unmeasured
 
     @override
     def on_before_optimizer_step(
@@ -324,19 +331,14 @@ class SimiGrad(Callback):
             # Lightning cut the window short (a limited epoch ends): re-weigh to a mean over what was fed
             grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
             torch._foreach_mul_(grads, window.total / averaged)
-            self._halves.reset()
-        else:
-            # under a GradScaler the gradients were unscaled just before this hook; what was measured
-            # earlier (the midpoint snapshot, the comm hook's buckets) is still scaled
+            self._stats = None
+        elif self._ranks is not None:
+            stats = self._ranks.collect()
             inv_scale = _inverse_loss_scale(trainer)
-            if self._ranks is not None:
-                stats = self._ranks.collect()
-                if stats is not None and inv_scale != 1.0:
-                    stats = stats.scaled(inv_scale)
-            else:
-                split = window.half_split()
-                n_a = sum(sum(m) for m in window.sizes[:split])
-                stats = self._halves.collect(n_a, window.total - n_a, inv_scale=inv_scale)
+            if stats is not None and inv_scale != 1.0:  # the comm hook saw the gradient still scaled
+                stats = stats.scaled(inv_scale)
+        else:
+            stats, self._stats = self._stats, None
         self.samples_seen += averaged
         self._epoch_samples_done += averaged
         if stats is not None:
@@ -393,6 +395,7 @@ class SimiGrad(Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        self._halves.restore()  # a fit interrupted inside a window leaves the gradient whole
         self._accumulation.detach()
         self._lr.detach()
         if self._ranks is not None:

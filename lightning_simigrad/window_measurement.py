@@ -1,20 +1,21 @@
 r"""Half-batch statistics on one process: the two halves of the accumulation window.
 
 Gradients accumulate over the window's micro-batches. With every sample weighed by :math:`1/N`
-(see :mod:`lightning_simigrad.accumulation`), the gradient after the first half's micro-batches is
-:math:`s = (n_A / N)\, g_A` and after the whole window it is :math:`t = g`, the full mean. So one
-snapshot of the gradient at the midpoint gives both halves:
+(see :mod:`lightning_simigrad.accumulation`), the sum over the first half's micro-batches is
+:math:`s = (n_A / N)\, g_A` and over the second half's :math:`r = (n_B / N)\, g_B`.
 
-.. math::
+At the window's midpoint :meth:`WindowHalvesMeasurement.set_aside` takes the accumulated gradient
+tensors off the parameters (``p.grad = None``: a move, no copy), so the second half accumulates on its
+own -- its first backward even skips the addition plain accumulation would do. At the window's last
+backward :meth:`~WindowHalvesMeasurement.combine` reads each pair once, chunk by chunk, for
+:math:`s \cdot s`, :math:`s \cdot r`, :math:`r \cdot r` and adds :math:`s` back into the gradient in
+the same pass, so the optimizer steps with exactly :math:`s + r = g`. The halves are kept apart, so
+their products carry no cancellation error; the memory traffic equals the addition that plain
+accumulation does anyway, and the set-aside tensors are the one gradient-sized buffer this costs.
 
-    g_A = \frac{N}{n_A}\, s, \qquad g_B = \frac{N}{n_B}\, (t - s).
-
-The snapshot is the only gradient-sized buffer this costs (allocated once, filled with one fused
-``_foreach_copy_`` per window). The dot products :math:`s \cdot s`, :math:`s \cdot t`,
-:math:`t \cdot t` are taken tensor by tensor straight from the buffers, so no flat copy of the
-gradient and no temporary is ever made; the second half's products follow from them. Under a
-``GradScaler`` the snapshot holds scaled gradients while the window's end is read after unscaling:
-``inv_scale`` brings them to the same units.
+This happens in ``on_after_backward``, before a ``GradScaler`` unscales the gradient and checks it for
+overflow, so both halves carry the same loss scale (``inv_scale`` removes it from the products) and an
+overflow in either half makes the scaler skip the step.
 """
 
 from __future__ import annotations
@@ -22,50 +23,67 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_simigrad._dots import gram
+from lightning_simigrad._dots import gram, gram_and_add_
 from lightning_simigrad.statistics import HalfStats
 
 __all__ = ["WindowHalvesMeasurement"]
 
 
 class WindowHalvesMeasurement:
-    """Snapshot the gradient at a window's midpoint; compare the halves at its end."""
+    """Keep the first half's gradient aside at a window's midpoint; compare and re-join at its end."""
 
     def __init__(self) -> None:
-        self._buffers: list[Tensor] = []
-        self._params: list[Tensor] = []
-        self._taken = False
-
-    def reset(self) -> None:
-        """Forget the snapshot (a new window started)."""
-        self._taken = False
+        self._first: list[tuple[Tensor, Tensor]] = []
 
     @property
-    def has_snapshot(self) -> bool:
-        return self._taken
+    def holds_first_half(self) -> bool:
+        return bool(self._first)
 
-    def snapshot(self, params: list[Tensor]) -> None:
-        """Copy the accumulated gradients of ``params`` (those that have one) into the buffer."""
-        with_grad = [p for p in params if p.grad is not None]
-        grads = [p.grad for p in with_grad]
-        if len(with_grad) != len(self._params) or any(a is not b for a, b in zip(with_grad, self._params)):
-            self._params = with_grad
-            self._buffers = [torch.empty_like(g) for g in grads]  # type: ignore[arg-type]
-        torch._foreach_copy_(self._buffers, grads)  # type: ignore[arg-type]
-        self._taken = True
+    def set_aside(self, params: list[Tensor]) -> None:
+        """Take the accumulated gradients off ``params``; the next backward starts the second half."""
+        self.restore()
+        for p in params:
+            if p.grad is not None:
+                self._first.append((p, p.grad))
+                p.grad = None
 
     @torch.no_grad()
-    def collect(self, n_a: int, n_b: int, inv_scale: float = 1.0) -> HalfStats | None:
-        """Statistics of the halves from the snapshot and the current (end-of-window) gradients."""
-        if not self._taken:
-            return None
-        self._taken = False
+    def restore(self) -> None:
+        """Add the first half back without measuring (a window Lightning ended early, or teardown)."""
+        for p, first in self._first:
+            if p.grad is None:
+                p.grad = first
+            else:
+                p.grad.add_(first)
+        self._first = []
+
+    @torch.no_grad()
+    def combine(self, params: list[Tensor], n_a: int, n_b: int, inv_scale: float = 1.0) -> HalfStats:
+        """Statistics of the two halves; leaves ``p.grad`` holding the whole window's gradient."""
+        parts = []
+        aside = set()
+        for p, first in self._first:
+            aside.add(id(p))
+            if p.grad is None:  # no gradient in the second half
+                p.grad = first
+                parts.append(_first_only(first))
+            else:
+                parts.append(gram_and_add_(first, p.grad))
+        for p in params:  # a gradient only in the second half
+            if id(p) not in aside and p.grad is not None:
+                parts.append(_second_only(p.grad))
+        self._first = []
+        ss, sr, rr = (torch.stack(parts).sum(0) if parts else torch.zeros(3, dtype=torch.float64)).tolist()
         total = n_a + n_b
-        # the second half is t - s: its products follow from s.s, s.t and t.t (both halves carry
-        # comparable weight, so the subtraction costs only a few ulps)
-        dots = [gram(snap, param.grad) for param, snap in zip(self._params, self._buffers) if param.grad is not None]
-        ss, st, tt = torch.stack(dots).sum(0).tolist()  # one device sync per window
-        ss, st = ss * inv_scale * inv_scale, st * inv_scale
-        dot, rr = st - ss, tt - 2.0 * st + ss
-        fa, fb = total / n_a, total / n_b
-        return HalfStats(dot=dot * fa * fb, sq_a=ss * fa * fa, sq_b=max(rr, 0.0) * fb * fb, n_a=n_a, n_b=n_b)
+        fa, fb = total / n_a * inv_scale, total / n_b * inv_scale  # g_A = fa s, g_B = fb r, unscaled
+        return HalfStats(dot=sr * fa * fb, sq_a=ss * fa * fa, sq_b=rr * fb * fb, n_a=n_a, n_b=n_b)
+
+
+def _first_only(first: Tensor) -> Tensor:
+    ss = gram(first, first)[0]
+    return torch.stack([ss, torch.zeros_like(ss), torch.zeros_like(ss)])
+
+
+def _second_only(second: Tensor) -> Tensor:
+    rr = gram(second, second)[0]
+    return torch.stack([torch.zeros_like(rr), torch.zeros_like(rr), rr])
