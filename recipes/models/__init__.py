@@ -1,0 +1,1 @@
+"""LightningModules and small network builders of the recipes."""

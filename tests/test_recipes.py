@@ -1,0 +1,268 @@
+"""Recipes: every experiment composes, and runs a few optimizer steps on CPU on small data in the real formats.
+
+The data are made here in tmp_path: an ImageFolder tree of JPEGs, CIFAR-10 python batch files, a text corpus.
+W&B runs offline (no API key, no network) and its run file is read back.
+"""
+
+from __future__ import annotations
+
+import csv
+import glob
+import json
+import pickle
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+
+from recipes.errors import RecipeError
+from recipes.loggers import wandb_has_credentials
+from recipes.train import config_dir, train
+
+CONF = config_dir()
+EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
+TINY = ["num_threads=2", "logger=none"]
+
+
+def compose_cfg(overrides: list[str]) -> DictConfig:
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="train", overrides=overrides)
+
+
+# ---- data in the real formats
+def make_imagefolder(root: Path, classes: tuple[str, ...] = ("n01", "n02", "n03"), per_class: int = 4) -> Path:
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for split, n in (("train", per_class), ("val", 2)):
+        for name in classes:
+            folder = root / split / name
+            folder.mkdir(parents=True)
+            for i in range(n):
+                pixels = rng.integers(0, 256, (40, 48, 3), dtype=np.uint8)
+                Image.fromarray(pixels).save(folder / f"img_{i}.JPEG", format="JPEG")
+    return root
+
+
+def make_cifar(root: Path, per_batch: int = 8) -> Path:
+    rng = np.random.default_rng(0)
+    root.mkdir(parents=True)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        batch = {
+            b"batch_label": name.encode(),
+            b"labels": [int(x) for x in rng.integers(0, 10, per_batch)],
+            b"data": rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8),
+            b"filenames": [f"{i}.png".encode() for i in range(per_batch)],
+        }
+        with (root / name).open("wb") as f:
+            pickle.dump(batch, f)
+    return root
+
+
+def make_corpus(root: Path, files: int = 3) -> Path:
+    from pydoc_data.topics import topics
+
+    root.mkdir(parents=True)
+    text = "\n".join(list(topics.values())[:12])
+    step = len(text) // files
+    for i in range(files):
+        (root / f"part_{i}.txt").write_text(text[i * step : (i + 1) * step], encoding="utf-8")
+    return root
+
+
+def make_vocab(corpus: Path, out: Path) -> Path:
+    from tokenizers import BertWordPieceTokenizer
+
+    tok = BertWordPieceTokenizer(lowercase=True)
+    tok.train([str(p) for p in sorted(corpus.glob("*.txt"))], vocab_size=600, min_frequency=2,
+              special_tokens=["[UNK]", "[SEP]", "[PAD]", "[CLS]", "[MASK]"])  # fmt: skip
+    out.mkdir(parents=True)
+    tok.save_model(str(out))
+    return out
+
+
+# ---- composition
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+@pytest.mark.parametrize("simigrad", ["paper", "off", "noise_scale"])
+def test_every_experiment_composes(experiment: str, simigrad: str) -> None:
+    cfg = compose_cfg([f"experiment={experiment}", f"simigrad={simigrad}", "debug=smoke"])
+    assert cfg.name == experiment
+    assert cfg.simigrad._target_ == "lightning_simigrad.SimiGrad"
+    assert cfg.simigrad.adjust is (simigrad != "off")
+    assert cfg.simigrad.controller == ("noise_scale" if simigrad == "noise_scale" else "paper")
+    assert cfg.optimizer._partial_ is True
+    assert cfg.trainer.max_steps == 4 and cfg.trainer.accelerator == "cpu"
+
+
+def test_paper_settings_are_the_defaults() -> None:
+    cifar = compose_cfg(["experiment=resnet18_cifar10"])
+    assert (cifar.simigrad.initial_batch_size, cifar.data.batch_size) == (128, 32)
+    assert (cifar.simigrad.target_similarity, cifar.simigrad.max_batch_size) == (0.2, 4096)
+    assert (cifar.optimizer.lr, cifar.trainer.max_epochs) == (0.1, 200)
+    imagenet = compose_cfg(["experiment=resnet50_imagenet"])
+    assert (imagenet.simigrad.initial_batch_size, imagenet.simigrad.min_batch_size) == (2048, 2048)
+    assert (imagenet.data.batch_size, imagenet.trainer.max_epochs) == (128, 90)
+    assert imagenet.model.net._target_ == "torchvision.models.resnet50"
+    bert = compose_cfg(["experiment=bert_large_pretrain"])
+    assert bert.optimizer._target_ == "pytorch_optimizer.Lamb" and bert.optimizer.lr == pytest.approx(11e-3)
+    assert (bert.simigrad.initial_batch_size, bert.simigrad.target_similarity) == (128, 0.8)
+    assert bert.simigrad.max_batch_size == 262144 and bert.data.max_seq_length == 128
+    assert bert.model.config.hidden_size == 1024 and bert.model.config.num_hidden_layers == 24
+    assert bert.trainer.precision == ("16-mixed" if torch.cuda.is_available() else "32-true")
+    assert compose_cfg(["optimizer=lars"]).optimizer._target_ == "pytorch_optimizer.LARS"
+
+
+# ---- a few steps of each
+def _check_result(result: dict[str, Any], initial: int = 8) -> None:
+    assert Path(result["trace_csv"]).is_file() and Path(result["trace_png"]).stat().st_size > 1000
+    assert result["steps"] >= 4 and result["initial_batch_size"] == initial
+    # the last step of an epoch averages what is left of it, so it can fall below the minimum
+    assert 1 <= result["min_batch_size"] <= result["max_batch_size"] <= 32
+    assert 8 <= result["final_batch_size"] <= 32
+    assert any(k.startswith("val/") for k in result["metrics"])
+    with open(result["trace_csv"]) as f:
+        rows = list(csv.DictReader(f))
+    assert {"step", "batch_size", "similarity", "lr_scale", "samples_seen", "noise_scale"} <= set(rows[0])
+    # the halves were measured (a loss without gradient, e.g. MLM batches with nothing masked, gives NaN)
+    assert any(np.isfinite(float(row["similarity"])) for row in rows)
+
+
+def test_resnet50_imagenet_smoke_on_an_imagefolder(tmp_path: Path) -> None:
+    root = make_imagefolder(tmp_path / "imagenet")
+    cfg = compose_cfg(
+        ["experiment=resnet50_imagenet", "debug=smoke", f"data.root={root}", f"output_dir={tmp_path}/run", *TINY]
+    )
+    result = train(cfg)
+    _check_result(result)
+    assert "val/acc5" in result["metrics"]
+
+
+def test_resnet18_cifar10_smoke_on_python_batches(tmp_path: Path) -> None:
+    make_cifar(tmp_path / "cifar-10-batches-py")
+    cfg = compose_cfg(
+        ["experiment=resnet18_cifar10", "debug=smoke", f"data.root={tmp_path}", f"output_dir={tmp_path}/run", *TINY]
+    )
+    _check_result(train(cfg))
+
+
+def test_bert_large_pretrain_smoke_on_text_files(tmp_path: Path) -> None:
+    corpus = make_corpus(tmp_path / "wiki")
+    vocab = make_vocab(corpus, tmp_path / "vocab")
+    cfg = compose_cfg([
+        "experiment=bert_large_pretrain", "debug=smoke", f"data.files={corpus}/*.txt",
+        f"tokenizer.path={vocab}", f"output_dir={tmp_path}/run", *TINY,
+    ])  # fmt: skip
+    result = train(cfg)
+    _check_result(result)
+    assert "val/mlm_acc" in result["metrics"]
+
+
+def test_bert_tiny_pydoc_smoke_trains_its_tokenizer(tmp_path: Path) -> None:
+    cfg = compose_cfg(["experiment=bert_tiny_pydoc", "debug=smoke", f"output_dir={tmp_path}", *TINY])
+    _check_result(train(cfg))
+    assert (tmp_path / "tokenizer" / "vocab.txt").is_file()
+
+
+def test_digits_off_keeps_the_batch_and_still_measures(tmp_path: Path) -> None:
+    cfg = compose_cfg(["simigrad=off", "debug=smoke", "logger=csv", f"output_dir={tmp_path}", "num_threads=2"])
+    result = train(cfg)
+    assert result["min_batch_size"] == result["max_batch_size"] == 8
+    with open(result["trace_csv"]) as f:
+        similarities = [float(row["similarity"]) for row in csv.DictReader(f)]
+    assert all(np.isfinite(similarities))
+    logged = list(tmp_path.glob("logs/*/metrics.csv"))
+    assert logged and "simigrad/similarity" in logged[0].read_text().splitlines()[0]
+
+
+# ---- W&B offline
+def wandb_records(path: Path) -> list[Any]:
+    """Protobuf records of a ``.wandb`` run file: LevelDB-log framing (32 KiB blocks, 7-byte chunk headers)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data, records, pos, buf = path.read_bytes(), [], 7, b""
+    assert data[:4] == b":W&B", "not a W&B run file"
+    while pos + 7 <= len(data):
+        left = 32768 - pos % 32768
+        if left < 7:  # block trailer
+            pos += left
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if length == 0 and kind == 0:
+            pos += left
+            continue
+        buf += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # FULL or LAST chunk
+            record = pb.Record()
+            record.ParseFromString(buf)
+            records.append(record)
+            buf = b""
+    return records
+
+
+def test_wandb_offline_run_holds_traces_config_and_image(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wb"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    (tmp_path / "wb").mkdir()
+    assert not wandb_has_credentials()
+    cfg = compose_cfg(["debug=smoke", "logger=wandb", f"output_dir={tmp_path}/run", "num_threads=2"])
+    result = train(cfg)
+    assert Path(result["trace_png"]).is_file() and Path(result["trace_csv"]).is_file()
+
+    (run_file,) = glob.glob(str(tmp_path / "wb" / "wandb" / "offline-run-*" / "run-*.wandb"))
+    records = wandb_records(Path(run_file))
+    rows = [
+        {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
+        for r in records
+        if r.WhichOneof("record_type") == "history"
+    ]
+    traced = [row for row in rows if "simigrad/batch_size" in row]
+    assert len(traced) == result["steps"]
+    for key in ("similarity", "lr_scale", "samples_seen", "micro_batch_size", "accumulation", "noise_scale"):
+        assert all(f"simigrad/{key}" in row for row in traced)
+    images = [row for row in rows if row.get("simigrad/trace/_type") == "image-file"]
+    assert len(images) == 1
+    run_dir = Path(run_file).parent
+    assert (run_dir / "files" / images[0]["simigrad/trace/path"]).is_file()
+    metrics = [r.metric for r in records if r.WhichOneof("record_type") == "metric"]
+    assert any(m.glob_name == "simigrad/*" and m.step_metric == "simigrad/samples_seen" for m in metrics)
+    config_keys = {item.key for r in records if r.WhichOneof("record_type") == "config" for item in r.config.update}
+    config_keys |= {item.key for r in records if r.WhichOneof("record_type") == "run" for item in r.run.config.update}
+    assert {"simigrad", "trainer", "data", "model", "optimizer"} <= config_keys
+
+
+def test_wandb_credentials_are_detected_without_network(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    netrc = tmp_path / "netrc"
+    monkeypatch.setenv("NETRC", str(netrc))
+    assert not wandb_has_credentials()
+    netrc.write_text("machine api.wandb.ai\n  login user\n  password not-a-real-key\n")
+    netrc.chmod(0o600)
+    assert wandb_has_credentials()
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    assert wandb_has_credentials()
+
+
+# ---- user errors, in-process
+def test_imagefolder_val_class_missing_from_train_is_refused(tmp_path: Path) -> None:
+    root = make_imagefolder(tmp_path / "imgs", per_class=1)
+    (root / "val" / "n01").rename(root / "val" / "n99")
+    cfg = compose_cfg(["experiment=resnet50_imagenet", f"data.root={root}", f"output_dir={tmp_path}/run", *TINY])
+    with pytest.raises(RecipeError, match="missing from train/: n99"):
+        train(cfg)
+
+
+def test_malformed_cifar_batch_is_refused(tmp_path: Path) -> None:
+    root = make_cifar(tmp_path / "cifar")
+    (root / "data_batch_3").write_bytes(b"not a pickle")
+    cfg = compose_cfg(["experiment=resnet18_cifar10", f"data.root={root}", f"output_dir={tmp_path}/run", *TINY])
+    with pytest.raises(RecipeError, match="data_batch_3 is not a CIFAR-10 python batch"):
+        train(cfg)
