@@ -20,7 +20,13 @@ class StepRecorder(pl.Callback):
     def __init__(self, dataset):
         self.dataset = dataset
         self.steps: list[dict] = []
+        self.decisions: list[int] = []  # the batch size SimiGrad asks for after each step
         self._consumed = 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        simigrad = next(c for c in trainer.callbacks if isinstance(c, SimiGrad))
+        if len(self.decisions) < len(simigrad.history):
+            self.decisions.append(simigrad.batch_size)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         micro = pl_module.micro_batches[self._consumed :]
@@ -81,6 +87,11 @@ def test_every_step_averages_exactly_its_samples(num_workers, drop_last, max_mic
         assert counts.max() <= 2
         assert 0 < 600 - len(seen) < 2 * 120  # at most one window's worth dropped per epoch
     assert cb.history[-1]["samples_seen"] == len(seen)
+    # fine-grained: every full window is exactly a size the controller chose (no rounding to micro x steps)
+    # (an epoch's last step, ending on a multiple of 300 samples, averages what is left)
+    chosen = {16, *rec.decisions}
+    full = [h for h in cb.history if drop_last or h["samples_seen"] % 300]
+    assert all(int(h["batch_size"]) in chosen for h in full)
 
 
 def test_epoch_coverage_with_shuffle_and_workers():
