@@ -27,23 +27,44 @@ the gradient dtype.
 
 Why it is cheap
 ---------------
-A rank that knows one group's share (:math:`u` or :math:`o`) besides :math:`g` (which DDP's own
-all-reduce delivers) can compute all three products. The "computing" ranks split each bucket into
-equal slices, one each:
+Write :math:`b_r = h_r/W` for rank :math:`r`'s pre-divided bucket (what it contributes to :math:`g`).
+Every rank computes something, on a slice of each bucket where it can, and the products are carried
+by the all-gather of :meth:`RankGroupMeasurement.collect`, which happens anyway:
 
-* ``W = 2``: each rank's own bucket is one group's share (:math:`h_0/W = u`, :math:`h_1/W = o`); both
-  ranks compute, each on half of every bucket. No extra gradient traffic at all.
-* ``W = 3``: group A is rank 0 alone, :math:`u = h_0/W`; rank 0 computes. No extra gradient traffic.
-* ``W >= 4``: group A's ranks all-reduce a copy of their (pre-divided) buckets within group A, beside
-  DDP's world all-reduce and in bucket order; each of them computes a slice. Group B's ranks do
-  nothing extra. That is one half-group all-reduce of the gradient per measured window.
+* ``W = 2``: no copy, no extra traffic. Before launching the all-reduce each rank computes the local
+  square of its own bucket (:math:`u \cdot u = |b_0|^2` on rank 0, :math:`o \cdot o = |b_1|^2` on
+  rank 1; it only reads the bucket). After the all-reduce each computes :math:`|g|^2` over half of
+  the bucket. Then :math:`u \cdot o = (|g|^2 - u \cdot u - o \cdot o)/2`; each term is accumulated in
+  float64 from float32 chunk products, so the difference keeps float32 accuracy relative to
+  :math:`|u|\,|o|` even at similarity 0 (the error is a few ulps of :math:`|u|^2 + |o|^2`).
+* ``W = 3``: group A is rank 0 alone, :math:`u = b_0`; rank 0 copies its bucket before the
+  all-reduce and computes :math:`[u \cdot u, u \cdot g, g \cdot g]` over the whole of it. No extra
+  traffic. (A clone-free variant would need the cross product :math:`b_1 \cdot b_2` of group B, that
+  is, an exchange between ranks 1 and 2: more than the copy costs.)
+* ``W >= 4``: group A's ranks (:math:`k = \lfloor W/2 \rfloor`) copy their bucket and reduce-scatter
+  the copy within group A (an ``all_to_all`` of slices, summed locally: gloo's reduce-scatter has no
+  future), beside DDP's world all-reduce, so each of them ends with its slice of :math:`u` and
+  computes the products on that slice. That is half the bytes of a half-group all-reduce, once per
+  measured window; group B's ranks do nothing extra.
 
-The share is copied before DDP's in-place all-reduce overwrites the bucket (only the computing
-rank's slice, where no half all-reduce needs the whole). :meth:`RankGroupMeasurement.collect` then
-all-gathers four float64 scalars per rank, and every rank sums them in rank order, so every rank
-gets bitwise the same :class:`~lightning_simigrad.statistics.HalfStats` (and so takes the same
-batch-size decision). The gradients DDP writes are those of its world all-reduce, computed exactly
-as its built-in reducer does (multiply by :math:`1/W`, then sum), so they equal plain DDP's.
+On CPU the copies go into buffers kept for the next measured window (fresh allocations of this size
+are returned to the OS and page-faulted in again, which cost more than the copy); on accelerators the
+caching allocator already reuses memory. :meth:`RankGroupMeasurement.collect` then all-gathers five
+float64 scalars per rank, and every rank sums them in rank order, so every rank gets bitwise the same
+:class:`~lightning_simigrad.statistics.HalfStats` (and so takes the same batch-size decision). The
+gradients DDP writes are those of its world all-reduce, computed exactly as its built-in reducer does
+(multiply by :math:`1/W`, then sum), so they equal plain DDP's.
+
+Communication per measured window, besides DDP's own world all-reduce of the gradient (:math:`P`
+elements):
+
+========  ===========================================  ==============================
+W         extra gradient traffic                       extra scalars (``collect``)
+========  ===========================================  ==============================
+2         none                                         all-gather of 5 float64 / rank
+3         none                                         all-gather of 5 float64 / rank
+>= 4      reduce-scatter of :math:`P` within group A   all-gather of 5 float64 / rank
+========  ===========================================  ==============================
 
 Unarmed synchronisations (windows that are not measured) do the plain all-reduce-average.
 """
@@ -56,20 +77,30 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_simigrad._dots import gram
+from lightning_simigrad._dots import _CPU_CHUNK, _DEVICE_CHUNK, gram
 from lightning_simigrad.statistics import HalfStats
 
 __all__ = ["RankGroupMeasurement"]
 
 
 def _bucket_dots(u: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """``[u.u, u.o, o.o]`` with ``o = g - u``, as a float64 tensor of shape (3,).
+    """``[u.u, u.g, g.g]`` as a float64 tensor of shape (3,) (one pass over both)."""
+    return gram(u, g)
 
-    From the three products of ``(u, g)``: ``u.o = u.g - u.u`` and ``o.o = g.g - 2 u.g + u.u`` lose only
-    rounding relative to ``|g|^2``, negligible while neither group's share is tiny beside the other's.
-    """
-    uu, ug, gg = gram(u, g)
-    return torch.stack([uu, ug - uu, gg - 2.0 * ug + uu])
+
+def _square(x: torch.Tensor) -> torch.Tensor:
+    """``x.x`` as a float64 scalar tensor: float32 chunk products on CPU (upcast from half precision)
+    summed in float64, like :func:`~lightning_simigrad._dots.gram`; float64 chunks on accelerators."""
+    x = x.reshape(-1)
+    on_cpu = x.device.type == "cpu"
+    dtype = torch.float32 if on_cpu and x.dtype != torch.float64 else torch.float64
+    parts = []
+    for chunk in x.split(_CPU_CHUNK if on_cpu else _DEVICE_CHUNK):
+        chunk = chunk.to(dtype)  # no copy when it already is
+        parts.append(torch.dot(chunk, chunk))
+    if not parts:
+        return torch.zeros((), dtype=torch.float64, device=x.device)
+    return torch.stack(parts).to(torch.float64).sum()
 
 
 def _registered_hook_name(ddp_model: DistributedDataParallel) -> str | None:
@@ -139,17 +170,19 @@ class RankGroupMeasurement:
         self._size_a = self._world_size // 2
         # Which ranks compute the dot products, and which slice of every bucket this rank takes.
         if self._size_a >= 2:
-            computing = self._size_a  # group A's ranks, after the half all-reduce
+            computing = self._size_a  # group A's ranks, after the reduce-scatter within group A
         elif self._world_size == 2:
-            computing = 2  # rank 0 holds u, rank 1 holds o
+            computing = 2  # rank 0 holds u, rank 1 holds o: local squares, then |g|^2 on a slice each
         else:
             computing = 1  # W = 3: rank 0 alone holds u; B's ranks hold neither share
         self._num_computing = computing
         self._slot: int | None = self._rank if self._rank < computing else None
-        self._holds_b_share = self._world_size == 2 and self._rank == 1
+        self._squares = self._world_size == 2  # u.o from |g|^2 - u.u - o.o (see the module docstring)
+        # CPU only: copy targets kept between measured windows, per bucket index (see the docstring).
+        self._workspaces: dict[int, torch.Tensor] = {}
         # Group A needs its own group only when it has >= 2 ranks. Its all-reduce runs beside DDP's
-        # world all-reduce from the same thread: one group per phase, never one shared (the notes saw
-        # a shared group deadlock at random).
+        # world all-reduce from the same thread, in bucket order: one group per phase, never one shared
+        # (the notes saw a shared group deadlock at random).
         self._half_group: dist.ProcessGroup | None = None
         if self._size_a >= 2:
             group = dist.new_group(ranks=self._global_ranks[: self._size_a], backend=dist.get_backend(self._pg))
@@ -255,7 +288,7 @@ class RankGroupMeasurement:
     def collect(self) -> HalfStats | None:
         """The statistics of the last armed synchronisation, bitwise identical on every rank.
 
-        A collective (an all-gather of four float64 scalars per rank): call it on every rank after the
+        A collective (an all-gather of five float64 scalars per rank): call it on every rank after the
         synchronising backward returned. Returns None when nothing was armed, and disarms.
 
         Raises:
@@ -271,30 +304,34 @@ class RankGroupMeasurement:
                 "arm before the window's last backward (the one outside `no_sync()`) and collect after it."
             )
         n_a, n_b = sum(counts[: self._size_a]), sum(counts[self._size_a :])
-        # This rank's [u.u, u.o, o.o] over its slices, and how many buckets it is missing (0 if whole).
-        local = [0.0, 0.0, 0.0, 0.0]
+        # This rank's parts of [u.u, u.g, g.g, o.o] (see `_hook`), and how many buckets it is missing.
+        local = [0.0, 0.0, 0.0, 0.0, 0.0]
         if self._slot is not None:
             with self._lock:
                 partials = [self._partials.get(i) for i in range(self._num_buckets)]
             present = [p for p in partials if p is not None]
             if present:
-                local[:3] = torch.stack(present).sum(dim=0).tolist()
-            local[3] = float(len(partials) - len(present))
+                local[:4] = torch.stack(present).sum(dim=0).tolist()
+            local[4] = float(len(partials) - len(present))
         device = self._device
         self._reset()
         mine = torch.tensor(local, dtype=torch.float64, device=device)
         gathered = [torch.empty_like(mine) for _ in range(self._world_size)]
         dist.all_gather(gathered, mine, group=self._pg)
         # Identical inputs, identical order of float additions: bitwise the same result on every rank.
-        uu = uo = oo = missing = 0.0
+        uu = ug = gg = oo = missing = 0.0
         for row in gathered:
-            r_uu, r_uo, r_oo, r_missing = row.tolist()
-            uu, uo, oo, missing = uu + r_uu, uo + r_uo, oo + r_oo, missing + r_missing
+            r_uu, r_ug, r_gg, r_oo, r_missing = row.tolist()
+            uu, ug, gg, oo, missing = uu + r_uu, ug + r_ug, gg + r_gg, oo + r_oo, missing + r_missing
         if missing:
             raise RuntimeError(
                 f"{int(missing)} bucket result(s) of the synchronising backward never arrived; the "
                 "measurement is lost. Was the backward interrupted?"
             )
+        if self._squares:  # W = 2: |g|^2 = u.u + 2 u.o + o.o, each square measured directly
+            uo = 0.5 * (gg - uu - oo)
+        else:  # from u.g: u.o = u.g - u.u, o.o = g.g - 2 u.g + u.u
+            uo, oo = ug - uu, gg - 2.0 * ug + uu
         n = n_a + n_b
         c_a, c_b = n / n_a, n / n_b  # g_A = c_a u, g_B = c_b o
         dot, sq_a, sq_b = c_a * c_b * uo, c_a * c_a * uu, c_b * c_b * oo
@@ -306,6 +343,7 @@ class RankGroupMeasurement:
             return
         self._closed = True
         self._reset()
+        self._workspaces = {}
         if self._half_group is not None:
             dist.destroy_process_group(self._half_group)
             self._half_group = None
@@ -350,29 +388,80 @@ class RankGroupMeasurement:
         if not measuring or slot is None:
             world = dist.all_reduce(buffer, group=self._pg, async_op=True).get_future()  # type: ignore[union-attr]
             return _then(world, lambda _: buffer, buffer.device)
-        numel = buffer.numel()
-        lo = numel * slot // self._num_computing
-        hi = numel * (slot + 1) // self._num_computing
-        # This rank's group share, copied before the in-place world all-reduce overwrites the bucket:
-        # all of it when group A all-reduces it, else only the slice this rank computes on.
-        share = buffer.clone() if self._half_group is not None else buffer[lo:hi].clone()
+        numel, k = buffer.numel(), self._num_computing
+        lo, hi = numel * slot // k, numel * (slot + 1) // k
+        zero = torch.zeros((), dtype=torch.float64, device=buffer.device)
+        if self._squares:
+            # W = 2: the local square of this rank's share, read before the in-place all-reduce
+            # overwrites it. An error here must still let the all-reduce run (the partner waits on it)
+            # and then reach backward through the future.
+            own: torch.Tensor | BaseException
+            try:
+                own = _square(buffer)
+            except BaseException as error:
+                own = error
+            world = dist.all_reduce(buffer, group=self._pg, async_op=True).get_future()  # type: ignore[union-attr]
+            holds_b = slot == 1
+
+            def finish_squares(_: Any) -> torch.Tensor:
+                if isinstance(own, BaseException):
+                    raise own
+                gg = _square(buffer[lo:hi])
+                parts = torch.stack([zero, zero, gg, own] if holds_b else [own, zero, gg, zero])
+                with self._lock:
+                    self._partials[index] = parts
+                return buffer
+
+            return _then(world, finish_squares, buffer.device)
+
+        # This rank's (pre-divided) bucket, copied before the in-place world all-reduce overwrites it.
+        share = self._workspace(index, 0, buffer, numel).copy_(buffer)
         futures = [dist.all_reduce(buffer, group=self._pg, async_op=True).get_future()]  # type: ignore[union-attr]
         if self._half_group is not None:
-            futures.append(dist.all_reduce(share, group=self._half_group, async_op=True).get_future())  # type: ignore[union-attr]
-            share = share[lo:hi]
-        holds_b = self._holds_b_share
+            # Reduce-scatter within group A as an all-to-all of slices (gloo's reduce_scatter has no
+            # future): A-rank j receives the other A-ranks' slice j and adds them to its own below.
+            # Its own slice is not sent to itself (split size 0) where the others' slices are contiguous
+            # (the first and last A-rank: all of them at k = 2), so nothing is copied twice.
+            mine = hi - lo
+            skip_self = slot in (0, k - 1)
+            sizes_in = [numel * (j + 1) // k - numel * j // k for j in range(k)]
+            sizes_out = [mine] * k
+            if skip_self:
+                sizes_in[slot] = sizes_out[slot] = 0
+            send = (share[hi:] if slot == 0 else share[:lo]) if skip_self else share
+            received = self._workspace(index, 1, buffer, sum(sizes_out))
+            work = dist.all_to_all_single(  # issued right after the world all-reduce, in bucket order
+                received, send, sizes_out, sizes_in, group=self._half_group, async_op=True
+            )
+            futures.append(work.get_future())  # type: ignore[union-attr]
+            others = [received[j * mine : (j + 1) * mine] for j in range(k) if sizes_out[j] and j != slot]
+            if skip_self:  # the pieces are packed: the zero-size own slot takes no room
+                others = list(received.split(mine)) if mine else []
+        else:  # W = 3: rank 0's bucket is all of u
+            others = []
 
         def finish(_: Any) -> torch.Tensor:
-            if share.is_cuda:  # allocated on the autograd stream, read on this callback's stream
-                share.record_stream(torch.cuda.current_stream(share.device))
-            dots = _bucket_dots(share, buffer[lo:hi])
-            if holds_b:  # computed as [o.o, o.u, u.u]
-                dots = dots.flip(0)
+            u = share[lo:hi]
+            for piece in others:  # the all-to-all has read `share`: summing into it is safe
+                u.add_(piece)
+            if u.is_cuda:  # allocated on the autograd stream, read on this callback's stream
+                u.record_stream(torch.cuda.current_stream(u.device))
+            parts = torch.cat([_bucket_dots(u, buffer[lo:hi]), zero.view(1)])
             with self._lock:
-                self._partials[index] = dots
+                self._partials[index] = parts
             return buffer
 
         return _then(torch.futures.collect_all(futures), finish, buffer.device)
+
+    def _workspace(self, index: int, role: int, like: torch.Tensor, numel: int) -> torch.Tensor:
+        """A 1-D tensor of ``numel`` elements like ``like``: kept per (bucket, role) on CPU, else fresh."""
+        if like.device.type != "cpu":
+            return torch.empty(numel, dtype=like.dtype, device=like.device)
+        key = 2 * index + role
+        cached = self._workspaces.get(key)
+        if cached is None or cached.numel() != numel or cached.dtype != like.dtype:
+            cached = self._workspaces[key] = torch.empty(numel, dtype=like.dtype)
+        return cached
 
 
 def _then(

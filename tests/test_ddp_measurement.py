@@ -243,12 +243,14 @@ def test_refusals() -> None:
     _spawn(_check_refusals, 2)
 
 
-def _failing_dots(u: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+def _failing_dots(*tensors: torch.Tensor) -> torch.Tensor:
     raise ValueError("injected failure in the bucket callback")
 
 
 def _check_error_surfaces(rank: int, world_size: int) -> None:
-    ddp_measurement._bucket_dots = _failing_dots  # this child only: the computing ranks' callbacks raise
+    # This child only: the computing ranks' products raise (at W = 2 already before the all-reduce).
+    ddp_measurement._bucket_dots = _failing_dots
+    ddp_measurement._square = _failing_dots
     model = DDP(_mlp(), bucket_cap_mb=BUCKET_CAP_MB)
     measurement = RankGroupMeasurement()
     measurement.register(model)
@@ -264,7 +266,7 @@ def _check_error_surfaces(rank: int, world_size: int) -> None:
     measurement.close()
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_error_in_hook_raises_in_backward(world_size: int) -> None:
     _spawn(_check_error_surfaces, world_size)
 
@@ -296,3 +298,42 @@ def _check_low_precision(rank: int, world_size: int, dtype: torch.dtype) -> None
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_low_precision_gradients(dtype: torch.dtype) -> None:
     _spawn(_check_low_precision, 2, dtype)
+
+
+def _check_low_similarity(rank: int, world_size: int) -> None:
+    """Nearly orthogonal halves: at W = 2 u.o comes from |g|^2 - u.u - o.o, a difference of squares."""
+    torch.manual_seed(0)
+    base = torch.nn.Linear(256, 64, bias=False)
+    plain = DDP(copy.deepcopy(base), bucket_cap_mb=BUCKET_CAP_MB)
+    hooked = DDP(copy.deepcopy(base), bucket_cap_mb=BUCKET_CAP_MB)
+    local = copy.deepcopy(base)
+    measurement = RankGroupMeasurement()
+    measurement.register(hooked)
+    counts = [8] * world_size
+    gen = torch.Generator().manual_seed(rank)
+    # A loss linear in the output with independent random weights: every rank's gradient is an
+    # independent zero-mean random matrix, so the halves' cosine is ~ 1/sqrt(256 * 64 / 8).
+    x, y = torch.randn(8, 256, generator=gen), torch.randn(8, 64, generator=gen)
+    for window in range(2):  # the second window runs after DDP's bucket rebuild
+        for model in (plain, hooked, local):
+            model.zero_grad(set_to_none=True)
+        weight = world_size / sum(counts)
+        for model in (plain, local):
+            ((model(x) * y).sum() * weight).backward()
+        measurement.arm(counts)
+        ((hooked(x) * y).sum() * weight).backward()
+        assert torch.equal(_flat_grad(plain), _flat_grad(hooked))
+        stats = measurement.collect()
+        assert stats is not None
+        dot, sq_a, sq_b = _reference(_flat_grad(local), counts, world_size)
+        scale = (sq_a * sq_b) ** 0.5
+        assert abs(dot / scale) < 0.1, dot / scale  # the case this test is about
+        assert abs(stats.dot - dot) <= 1e-6 * scale, (window, stats.dot, dot)
+        assert stats.sq_a == pytest.approx(sq_a, rel=1e-6)
+        assert stats.sq_b == pytest.approx(sq_b, rel=1e-6)
+    measurement.close()
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_low_similarity(world_size: int) -> None:
+    _spawn(_check_low_similarity, world_size)
