@@ -2,8 +2,8 @@
 
     python benchmarks/overhead.py            # ~6 minutes on 2 CPU cores
 
-Both sides train the same ~10M-parameter MLP with the same micro-batch (32) and window (4 micro-batches,
-a global batch of 128): plain Lightning with ``accumulate_grad_batches=4``, and SimiGrad with
+Both sides train the same ~10M-parameter MLP with the same micro-batch (``--micro``, 32) and window (4
+micro-batches, a global batch of 128): plain Lightning with ``accumulate_grad_batches=4``, and SimiGrad with
 ``adjust=False`` (it measures the halves every step -- a midpoint snapshot and three dot products -- but
 keeps the batch fixed, so both sides do the same arithmetic otherwise). The two run alternately, pair by
 pair, in this one process; each pair's ratio compares the median optimizer-step time of the two fits,
@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_simigrad import SimiGrad
 
-MICRO, WINDOW = 32, 4
+WINDOW = 4
 
 
 class MLP(pl.LightningModule):
@@ -57,7 +57,7 @@ class StepTimer(pl.Callback):
         self._last = now
 
 
-def timed_fit(use_simigrad: bool, steps: int, data: TensorDataset) -> float:
+def timed_fit(use_simigrad: bool, steps: int, data: TensorDataset, micro: int) -> float:
     torch.manual_seed(0)
     timer = StepTimer(warmup=2)
     callbacks: list[pl.Callback] = [timer]
@@ -73,7 +73,7 @@ def timed_fit(use_simigrad: bool, steps: int, data: TensorDataset) -> float:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(MLP(), DataLoader(data, batch_size=MICRO, shuffle=True))
+    trainer.fit(MLP(), DataLoader(data, batch_size=micro, shuffle=True))
     return statistics.median(timer.times)
 
 
@@ -81,19 +81,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=9)
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--micro", type=int, default=32, help="micro-batch size (the window is 4 of them)")
     args = parser.parse_args()
-    data = TensorDataset(
-        torch.randn(MICRO * WINDOW * (args.steps + 2), 1024),
-        torch.randint(0, 512, (MICRO * WINDOW * (args.steps + 2),)),
-    )
+    n = args.micro * WINDOW * (args.steps + 2)
+    data = TensorDataset(torch.randn(n, 1024), torch.randint(0, 512, (n,)))
     params = sum(p.numel() for p in MLP().parameters())
     threads = torch.get_num_threads()
-    print(f"model: {params / 1e6:.1f}M parameters; micro-batch {MICRO}, window {WINDOW}, {threads} threads")
+    print(f"model: {params / 1e6:.1f}M parameters; micro-batch {args.micro}, window {WINDOW}, {threads} threads")
     ratios = []
     for pair in range(args.pairs):
         # alternate which side runs first, so drift in the machine's speed falls on both
         order = (False, True) if pair % 2 == 0 else (True, False)
-        times = {side: timed_fit(side, args.steps, data) for side in order}
+        times = {side: timed_fit(side, args.steps, data, args.micro) for side in order}
         ratios.append(times[True] / times[False])
         plain, ours = times[False] * 1e3, times[True] * 1e3
         print(f"pair {pair}: plain {plain:7.1f} ms/step   simigrad {ours:7.1f} ms/step   ratio {ratios[-1]:.3f}")
