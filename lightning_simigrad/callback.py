@@ -364,7 +364,7 @@ class SimiGrad(Callback):
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(row, step=self.steps)
-        if self.progress_bar:
+        if self.progress_bar and trainer.progress_bar_callback is not None:  # Lightning's logging is not free
             pl_module.log("batch_size", float(averaged), prog_bar=True, logger=False, on_step=True, on_epoch=False)
         self.steps += 1
 
