@@ -2,6 +2,7 @@
 
 from lightning_simigrad.callback import METRICS, SimiGrad
 from lightning_simigrad.controller import BatchSizeController
+from lightning_simigrad.ddp_measurement import RankGroupMeasurement
 from lightning_simigrad.lr_scaling import lr_factor
 from lightning_simigrad.plan import Window, plan_window
 from lightning_simigrad.sampler import AdaptiveBatchSampler, WindowSchedule
@@ -14,6 +15,7 @@ __all__ = [
     "AdaptiveBatchSampler",
     "BatchSizeController",
     "HalfStats",
+    "RankGroupMeasurement",
     "SimiGrad",
     "Window",
     "WindowSchedule",
