@@ -16,7 +16,7 @@ padding, unlike ``DistributedSampler``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sized
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -110,18 +110,20 @@ class AdaptiveBatchSampler(BatchSampler):
         if isinstance(sampler, DistributedSampler):
             # Lightning injects one under DDP; we keep its settings and shard ourselves without padding
             self.rank = sampler.rank
-        if schedule.world_size > 1 and not isinstance(sampler, (DistributedSampler, RandomSampler, SequentialSampler)):
+        if schedule.world_size > 1 and self._shuffles() is None:
             raise ValueError(
-                f"SimiGrad shards samples across ranks itself and can follow a RandomSampler or SequentialSampler"
-                f" order under DDP, not a `{type(sampler).__name__}`. Use `shuffle=True/False` in the DataLoader."
+                f"SimiGrad shards samples across ranks itself, walking one order that every rank can regenerate: a"
+                f" RandomSampler without replacement or a SequentialSampler, not this `{type(sampler).__name__}`."
+                f" Use `shuffle=True` or `shuffle=False` in the DataLoader."
             )
 
     def _num_samples(self) -> int:
+        """Dataset size behind one of the samplers whose order we generate ourselves."""
         sampler = self.sampler
-        if isinstance(sampler, (DistributedSampler, RandomSampler, SequentialSampler)):
-            return len(sampler.dataset) if isinstance(sampler, DistributedSampler) else len(sampler.data_source)  # type: ignore[arg-type]
-        assert isinstance(sampler, Sized)
-        return len(sampler)
+        if isinstance(sampler, DistributedSampler):
+            return len(sampler.dataset)  # type: ignore[arg-type]
+        assert isinstance(sampler, (RandomSampler, SequentialSampler))
+        return len(sampler.data_source)  # type: ignore[arg-type]
 
     def _shuffles(self) -> bool | None:
         """True/False for orders we generate ourselves, None for a foreign sampler's own order."""
@@ -139,9 +141,9 @@ class AdaptiveBatchSampler(BatchSampler):
     def epoch_order(self, epoch: int) -> list[int]:
         """The global index order of an epoch: identical on every rank, and again after a resume."""
         shuffle = self._shuffles()
-        n = self._num_samples()
         if shuffle is None:
             return list(iter(self.sampler))
+        n = self._num_samples()
         if not shuffle:
             return list(range(n))
         generator = torch.Generator()

@@ -1,0 +1,82 @@
+"""The adaptive batch sampler on its own: shards, tails, resume offsets and the orders it refuses."""
+
+from __future__ import annotations
+
+import pytest
+from torch.utils.data import RandomSampler, SequentialSampler, WeightedRandomSampler
+
+from lightning_simigrad import AdaptiveBatchSampler, WindowSchedule
+
+DATA = list(range(103))
+
+
+def rank_samplers(world: int, batch_size: int = 20, micro: int = 4, drop_last: bool = False, seed: int = 7):
+    samplers = []
+    for rank in range(world):
+        schedule = WindowSchedule(batch_size=batch_size, max_micro_batch_size=micro, world_size=world, seed=seed)
+        samplers.append(AdaptiveBatchSampler(RandomSampler(DATA), 4, drop_last, schedule=schedule, rank=rank))
+    return samplers
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_ranks_together_feed_every_sample_once(world):
+    samplers = rank_samplers(world)
+    batches = [list(s) for s in samplers]
+    assert len({len(b) for b in batches}) == 1  # every rank runs the same number of micro-batches
+    seen = []
+    for rank, (sampler, micro_batches) in enumerate(zip(samplers, batches)):
+        planned = [w.sizes[j][rank] for w in sampler.schedule.current.windows for j in range(w.num_micro_batches)]
+        assert [len(m) for m in micro_batches] == [max(n, 1) for n in planned]
+        # a rank left without a sample in a tiny tail feeds one zero-weight padding sample: not counted
+        seen += [i for m, n in zip(micro_batches, planned) if n for i in m]
+    assert sorted(seen) == DATA
+    assert max(len(m) for b in batches for m in b) <= 4
+
+
+def test_the_order_is_shuffled_per_epoch_and_reproducible():
+    (a,), (b,) = rank_samplers(1), rank_samplers(1)
+    assert list(a) == list(b)
+    a.schedule.epoch = lambda: 1
+    assert [i for m in a for i in m] != [i for m in b for i in m]
+
+
+def test_drop_last_drops_only_a_tail_smaller_than_the_window():
+    (sampler,) = rank_samplers(1, batch_size=20, drop_last=True)
+    seen = [i for m in sampler for i in m]
+    assert len(seen) == 100  # 103 = 5 windows of 20 + a tail of 3
+
+
+def test_a_resume_offset_skips_exactly_the_completed_windows():
+    (whole,) = rank_samplers(1)
+    (resumed,) = rank_samplers(1)
+    resumed.schedule.resume_from = (0, 40)
+    order = [i for m in whole for i in m]
+    assert [i for m in resumed for i in m] == order[40:]
+
+
+def test_the_sampler_has_no_length():
+    (sampler,) = rank_samplers(1)
+    with pytest.raises(TypeError):
+        len(sampler)
+
+
+@pytest.mark.parametrize(
+    "sampler",
+    [
+        RandomSampler(DATA, replacement=True),
+        WeightedRandomSampler([1.0] * 103, 103),
+        RandomSampler(DATA, num_samples=50),
+    ],
+)
+def test_ddp_refuses_orders_ranks_cannot_regenerate(sampler):
+    schedule = WindowSchedule(batch_size=20, max_micro_batch_size=4, world_size=2)
+    with pytest.raises(ValueError, match="RandomSampler without replacement or a SequentialSampler"):
+        AdaptiveBatchSampler(sampler, 4, False, schedule=schedule)
+
+
+def test_one_process_follows_a_foreign_order():
+    schedule = WindowSchedule(batch_size=10, max_micro_batch_size=5, min_micro_batches=2)
+    weighted = WeightedRandomSampler([1.0] * 103, 103)
+    assert sum(len(m) for m in AdaptiveBatchSampler(weighted, 5, False, schedule=schedule)) == 103
+    sequential = AdaptiveBatchSampler(SequentialSampler(DATA), 5, False, schedule=schedule)
+    assert [i for m in sequential for i in m] == DATA
