@@ -52,6 +52,7 @@ def flat(tensors):
 
 
 def fit(simigrad, n=300, batch_size=16, num_workers=0, drop_last=False, shuffle=True, model=None, **trainer_kwargs):
+    pl.seed_everything(0)  # the model's initialisation steers the decisions, hence the epoch tails
     dataset = IndexedRegression(n)
     recorder = StepRecorder(dataset)
     model = model or Regressor()
@@ -113,6 +114,9 @@ def test_similarity_is_the_cosine_of_the_window_halves():
     cb = SimiGrad(target_similarity=0.8, max_micro_batch_size=6)
     t, model, rec = fit(cb, max_epochs=1)
     for step, row in zip(rec.steps, cb.history):
+        if step["g_a"] is None:  # a one-sample epoch tail has no halves
+            assert len(step["indices"]) == 1 and math.isnan(row["similarity"])
+            continue
         g_a, g_b = flat(step["g_a"]), flat(step["g_b"])
         cosine = float(g_a @ g_b / (g_a.norm() * g_b.norm()))
         assert row["similarity"] == pytest.approx(cosine, abs=1e-9)
