@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["gram", "gram_and_add_"]
+__all__ = ["gram", "gram_and_add_", "square"]
 
 _CPU_CHUNK = 1 << 18  # two float32 chunks of 1 MiB each stay in a core's cache
 _DEVICE_CHUNK = 1 << 24
@@ -56,3 +56,12 @@ def gram_and_add_(a: Tensor, b: Tensor) -> Tensor:
         parts.append(_products(x, y))
         raw_y.add_(raw_x)  # the chunk is still in cache
     return _total(parts, a.device)
+
+
+def square(x: Tensor) -> Tensor:
+    """``x.x`` as a float64 scalar tensor, chunked like :func:`gram`."""
+    x = x.contiguous()
+    parts = [torch.dot(c, c) for _, _, c, _ in _chunks(x, x)]
+    if not parts:
+        return torch.zeros((), dtype=torch.float64, device=x.device)
+    return torch.stack(parts).to(torch.float64).sum()

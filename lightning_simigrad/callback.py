@@ -153,6 +153,7 @@ class SimiGrad(Callback):
         self._epoch_samples_done = 0
         self._world_size = 1
         self._rank = 0
+        self._seed = 0  # the shuffling seed, agreed on by all ranks in `setup`
 
     # ------------------------------------------------------------------------------ readings
     @property
@@ -290,16 +291,12 @@ class SimiGrad(Callback):
         )
         # set for every micro-batch: if Lightning forces a step early (end of a limited epoch),
         # the step-time learning rate still matches the samples it averages
-        self._lr.factor = lr_factor(self._samples_through(micro), self._b0, self.lr_scaling, self.lr_scaling_blend)
+        self._lr.factor = lr_factor(window.samples_through[micro], self._b0, self.lr_scaling, self.lr_scaling_blend)
         if last and self._ranks is not None:
             per_rank = window.samples_per_rank()
             groups = {self._ranks.group_of(r) for r, n in enumerate(per_rank) if n}
             if len(groups) == 2:  # a tiny tail may leave one rank group without samples: nothing to compare
                 self._ranks.arm(per_rank)
-
-    def _samples_through(self, micro: int) -> int:
-        assert self._window is not None
-        return sum(sum(m) for m in self._window.sizes[: micro + 1])
 
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -312,7 +309,7 @@ class SimiGrad(Callback):
             halves.set_aside(list(pl_module.parameters()))
         elif self._micro == window.num_micro_batches - 1 and halves.holds_first_half:
             # before a GradScaler unscales and checks the gradient: both halves are still scaled alike
-            n_a = sum(sum(m) for m in window.sizes[:split])
+            n_a = window.samples_through[split - 1]
             self._stats = halves.combine(
                 list(pl_module.parameters()), n_a, window.total - n_a, inv_scale=_inverse_loss_scale(trainer)
             )
@@ -325,7 +322,7 @@ class SimiGrad(Callback):
     ) -> None:
         window = self._window
         assert window is not None and self.controller is not None and self.schedule is not None
-        averaged = self._samples_through(self._micro)
+        averaged = window.samples_through[self._micro]
         stats: HalfStats | None = None
         if averaged < window.total:
             # Lightning cut the window short (a limited epoch ends): re-weigh to a mean over what was fed

@@ -77,7 +77,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_simigrad._dots import _CPU_CHUNK, _DEVICE_CHUNK, gram
+from lightning_simigrad._dots import gram, square
 from lightning_simigrad.statistics import HalfStats
 
 __all__ = ["RankGroupMeasurement"]
@@ -86,21 +86,6 @@ __all__ = ["RankGroupMeasurement"]
 def _bucket_dots(u: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """``[u.u, u.g, g.g]`` as a float64 tensor of shape (3,) (one pass over both)."""
     return gram(u, g)
-
-
-def _square(x: torch.Tensor) -> torch.Tensor:
-    """``x.x`` as a float64 scalar tensor: float32 chunk products on CPU (upcast from half precision)
-    summed in float64, like :func:`~lightning_simigrad._dots.gram`; float64 chunks on accelerators."""
-    x = x.reshape(-1)
-    on_cpu = x.device.type == "cpu"
-    dtype = torch.float32 if on_cpu and x.dtype != torch.float64 else torch.float64
-    parts = []
-    for chunk in x.split(_CPU_CHUNK if on_cpu else _DEVICE_CHUNK):
-        chunk = chunk.to(dtype)  # no copy when it already is
-        parts.append(torch.dot(chunk, chunk))
-    if not parts:
-        return torch.zeros((), dtype=torch.float64, device=x.device)
-    return torch.stack(parts).to(torch.float64).sum()
 
 
 def _registered_hook_name(ddp_model: DistributedDataParallel) -> str | None:
@@ -397,7 +382,7 @@ class RankGroupMeasurement:
             # and then reach backward through the future.
             own: torch.Tensor | BaseException
             try:
-                own = _square(buffer)
+                own = square(buffer)
             except BaseException as error:
                 own = error
             world = dist.all_reduce(buffer, group=self._pg, async_op=True).get_future()  # type: ignore[union-attr]
@@ -406,7 +391,7 @@ class RankGroupMeasurement:
             def finish_squares(_: Any) -> torch.Tensor:
                 if isinstance(own, BaseException):
                     raise own
-                gg = _square(buffer[lo:hi])
+                gg = square(buffer[lo:hi])
                 parts = torch.stack([zero, zero, gg, own] if holds_b else [own, zero, gg, zero])
                 with self._lock:
                     self._partials[index] = parts

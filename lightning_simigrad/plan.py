@@ -15,8 +15,10 @@ Pure Python: tested against hand-worked cases in ``tests/test_plan.py``.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 __all__ = ["Window", "plan_window"]
 
@@ -39,10 +41,15 @@ class Window:
     def world_size(self) -> int:
         return len(self.sizes[0])
 
+    @cached_property
+    def samples_through(self) -> tuple[int, ...]:
+        """``samples_through[j]``: samples of micro-batches ``0..j`` over all ranks (read every micro-batch)."""
+        return tuple(itertools.accumulate(sum(micro) for micro in self.sizes))
+
     @property
     def total(self) -> int:
         """Samples averaged by the step, over all ranks."""
-        return sum(sum(micro) for micro in self.sizes)
+        return self.samples_through[-1]
 
     @property
     def max_micro_batch_size(self) -> int:
@@ -56,7 +63,7 @@ class Window:
 
     def offset(self, micro: int, rank: int) -> int:
         """Position of slot ``(micro, rank)`` within the window's samples (slots laid out micro-major)."""
-        before = sum(sum(m) for m in self.sizes[:micro])
+        before = self.samples_through[micro - 1] if micro else 0
         return before + sum(self.sizes[micro][:rank])
 
     def half_split(self) -> int:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_simigrad._dots import gram, gram_and_add_
+from lightning_simigrad._dots import gram_and_add_, square
 from lightning_simigrad.statistics import HalfStats
 
 __all__ = ["WindowHalvesMeasurement"]
@@ -66,24 +66,16 @@ class WindowHalvesMeasurement:
             aside.add(id(p))
             if p.grad is None:  # no gradient in the second half
                 p.grad = first
-                parts.append(_first_only(first))
+                ss = square(first)
+                parts.append(torch.stack([ss, torch.zeros_like(ss), torch.zeros_like(ss)]))
             else:
                 parts.append(gram_and_add_(first, p.grad))
         for p in params:  # a gradient only in the second half
             if id(p) not in aside and p.grad is not None:
-                parts.append(_second_only(p.grad))
+                rr = square(p.grad)
+                parts.append(torch.stack([torch.zeros_like(rr), torch.zeros_like(rr), rr]))
         self._first = []
         ss, sr, rr = (torch.stack(parts).sum(0) if parts else torch.zeros(3, dtype=torch.float64)).tolist()
         total = n_a + n_b
         fa, fb = total / n_a * inv_scale, total / n_b * inv_scale  # g_A = fa s, g_B = fb r, unscaled
         return HalfStats(dot=sr * fa * fb, sq_a=ss * fa * fa, sq_b=rr * fb * fb, n_a=n_a, n_b=n_b)
-
-
-def _first_only(first: Tensor) -> Tensor:
-    ss = gram(first, first)[0]
-    return torch.stack([ss, torch.zeros_like(ss), torch.zeros_like(ss)])
-
-
-def _second_only(second: Tensor) -> Tensor:
-    rr = gram(second, second)[0]
-    return torch.stack([torch.zeros_like(rr), torch.zeros_like(rr), rr])

@@ -250,7 +250,7 @@ def _failing_dots(*tensors: torch.Tensor) -> torch.Tensor:
 def _check_error_surfaces(rank: int, world_size: int) -> None:
     # This child only: the computing ranks' products raise (at W = 2 already before the all-reduce).
     ddp_measurement._bucket_dots = _failing_dots
-    ddp_measurement._square = _failing_dots
+    ddp_measurement.square = _failing_dots
     model = DDP(_mlp(), bucket_cap_mb=BUCKET_CAP_MB)
     measurement = RankGroupMeasurement()
     measurement.register(model)
