@@ -132,6 +132,10 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     callbacks: list[pl.Callback] = [trace]
     if cfg.get("simigrad"):
         callbacks.insert(0, instantiate(cfg.simigrad))
+    if cfg.get("train_samples"):
+        from recipes.budget import SampleBudget
+
+        callbacks.append(SampleBudget(int(cfg.train_samples)))
     logger = _logger(cfg, out, run_name)
     if logger:
         callbacks.append(LearningRateMonitor(logging_interval="step"))
