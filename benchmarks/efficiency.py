@@ -12,7 +12,8 @@ For each task (a recipe of ``conf/experiment``) every run trains on the same num
   rates ``lr0 sqrt(B / B0) x {1/2, 1, 2}`` (``--lr-grid``), where ``lr0`` is the recipe's rate at B0. The
   static runs are ``simigrad=off`` (``SimiGrad(adjust=False)``): the same micro-batches and accumulation as
   the adaptive runs, and the similarity still measured, but the batch and the LR never move. Each B keeps its
-  best rate (mean over seeds), so the baseline is the best the grid offers.
+  best rate (mean over seeds); where that rate is the grid's smallest or largest, the grid is widened by one
+  more factor of 2 that way (``--extend`` times), so the baseline's rate is not cut off by the grid.
 - **SimiGrad**: the paper rule at the task's two targets and the noise-scale rule, each started from B0 with
   B0's best learning rate; ``--variant NAME:OVERRIDES`` adds more (Hydra overrides, space-separated).
 
@@ -21,9 +22,10 @@ resumes where it stopped and skips the runs already there), ``efficiency_<task>.
 the static frontier with error bars, SimiGrad as points, and SimiGrad's batch-size traces), the printed
 table as ``summary.md``, and each run's folder with its SimiGrad trace.
 
-The LR is constant apart from SimiGrad's scaling: step-interval schedules do not yet follow samples (the
-issue on sample-based schedules changes that); ``--schedule linear`` then decays it to 0 over the budget,
-counted in steps of each run's own starting batch.
+Schedules: a task whose budget is whole epochs (digits) runs its recipe's epoch-based schedule over them;
+step-interval schedules do not yet follow samples under SimiGrad (the issue on sample-based schedules
+changes that), so ``--schedule linear`` (linear decay to 0 over the budget, counted in steps of each run's
+starting batch) is right for static runs today and for SimiGrad runs once that lands.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -53,12 +55,16 @@ class Task:
     experiment: str
     metric: str  # the final validation metric the study compares; lower is better
     accuracy: str  # reported beside it
-    smallest_batch: int  # B0: the smallest static batch and SimiGrad's starting batch
-    lr0: float  # the recipe's learning rate at B0 (the centre of B0's grid)
     targets: tuple[float, float]  # the paper rule's two targets; the noise-scale rule uses the first
     budget: int  # training samples per run
     quick_budget: int
+    # samples per epoch when a budget is whole epochs: max_epochs is then set to match, so that epoch-based
+    # schedules (cosine over max_epochs) span the budget; otherwise the budget alone ends the run
+    epoch_samples: int | None = None
     overrides: tuple[str, ...] = ()
+    # read from the recipe (`simigrad.initial_batch_size`, `optimizer.lr`) by `with_recipe_defaults`
+    smallest_batch: int = 0  # B0: the smallest static batch and SimiGrad's starting batch
+    lr0: float = 0.0  # the recipe's learning rate at B0 (the centre of B0's grid)
 
 
 TASKS = {
@@ -66,19 +72,16 @@ TASKS = {
         experiment="digits",
         metric="val/loss",
         accuracy="val/acc1",
-        smallest_batch=16,
-        lr0=0.05,
-        targets=(0.5, 0.8),
-        budget=40 * 1437,  # 40 epochs of the 1437 training images
-        quick_budget=10 * 1437,
+        targets=(0.3, 0.5),
+        budget=12 * 1437,  # 12 epochs of the 1437 training images (val accuracy has levelled off by then)
+        quick_budget=4 * 1437,
+        epoch_samples=1437,
     ),
     "bert_tiny_stdlib": Task(
         experiment="bert_tiny_stdlib",
         metric="val/loss",
         accuracy="val/mlm_acc",
-        smallest_batch=32,
-        lr0=5e-3,
-        targets=(0.8, 0.6),
+        targets=(0.3, 0.8),
         budget=24_000,  # ~0.36 epoch: no sequence is seen twice
         quick_budget=4_000,
     ),
@@ -88,7 +91,7 @@ COMMON = ("logger=none", "trainer.enable_progress_bar=false", "trainer.enable_ch
 COLUMNS = [
     "run_id", "task", "method", "variant", "batch", "lr", "lr_mult", "target", "seed", "budget",
     "metric", "metric_value", "accuracy", "accuracy_value", "steps", "mean_batch", "samples",
-    "final_batch", "wall_s", "cpu_s", "run_dir",
+    "final_batch", "batch_over_bstar", "at_cap", "wall_s", "cpu_s", "run_dir",
 ]  # fmt: skip
 
 
@@ -100,6 +103,7 @@ class Run:
     method: str  # "static", "paper", "noise_scale" or a variant's name
     batch: int  # the static batch, or SimiGrad's starting batch B0
     lr_mult: float  # the LR relative to lr0 sqrt(B / B0)
+    lr: float  # the learning rate at the start
     target: float | None
     seed: int
     budget: int
@@ -110,9 +114,7 @@ class Run:
     def run_id(self) -> str:
         target = f"tau{self.target:g}" if self.target is not None else "static"
         variant = f"-{self.variant}" if self.variant else ""
-        return (
-            f"{self.task}-{self.method}{variant}-B{self.batch}-lr{self.lr_mult:g}-{target}-n{self.budget}-s{self.seed}"
-        )
+        return f"{self.task}-{self.method}{variant}-B{self.batch}-lr{self.lr:.4g}-{target}-n{self.budget}-s{self.seed}"
 
 
 # ------------------------------------------------------------------------------------------- the plan
@@ -130,8 +132,28 @@ def static_runs(
                 f"simigrad.max_batch_size={b}",
                 f"optimizer.lr={lr:.6g}",
             ]
-            runs += [Run(name, "static", b, mult, None, s, budget, overrides) for s in seeds]
+            runs += [Run(name, "static", b, mult, float(f"{lr:.6g}"), None, s, budget, overrides) for s in seeds]
     return runs
+
+
+def widen_grid(
+    task: Task, name: str, rows: list[dict[str, Any]], sizes: list[int], seeds: list[int], budget: int
+) -> list[Run]:
+    """One more rate beyond the edge for each batch whose best rate is the grid's smallest or largest.
+
+    Rates an earlier (resumed) study added for a batch are run for these seeds too, so every rate of a
+    batch has the same seeds.
+    """
+    static = [r for r in rows if r["task"] == name and r["method"] == "static" and r["budget"] == budget]
+    runs = []
+    for b, best in best_static(group_rows(r for r in static if r["batch"] in sizes).values()).items():
+        tried = sorted({r["lr_mult"] for r in static if r["batch"] == b})
+        m = best.first["lr_mult"]
+        if len(tried) > 1 and m in (tried[0], tried[-1]):
+            tried.append(m / 2 if m == tried[0] else m * 2)
+        runs += static_runs(task, name, [b], tried, seeds, budget)
+    done = {r["run_id"] for r in rows}
+    return [r for r in runs if r.run_id not in done]
 
 
 def simigrad_runs(
@@ -155,7 +177,8 @@ def simigrad_runs(
     runs = []
     for method, target, overrides, variant in configs:
         target = _target_of(overrides, target)
-        runs += [Run(name, method, b0, lr_mult, target, s, budget, base + overrides, variant) for s in seeds]
+        lr = float(f"{task.lr0 * lr_mult:.6g}")
+        runs += [Run(name, method, b0, lr_mult, lr, target, s, budget, base + overrides, variant) for s in seeds]
     return runs
 
 
@@ -165,6 +188,17 @@ def _target_of(overrides: list[str], default: float) -> float:
 
 
 # ------------------------------------------------------------------------------------------- running
+def with_recipe_defaults(task: Task, extra: list[str]) -> Task:
+    """The task with B0 and its learning rate as the recipe (and any overrides) set them."""
+    from hydra import compose, initialize_config_dir
+
+    from recipes.train import config_dir
+
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=[f"experiment={task.experiment}", *task.overrides, *extra])
+    return replace(task, smallest_batch=int(cfg.simigrad.initial_batch_size), lr0=float(cfg.optimizer.lr))
+
+
 def compose_run(task: Task, run: Run, out: Path, extra: list[str], schedule: str) -> Any:
     from hydra import compose, initialize_config_dir
 
@@ -175,7 +209,8 @@ def compose_run(task: Task, run: Run, out: Path, extra: list[str], schedule: str
         *COMMON,
         f"seed={run.seed}",
         f"train_samples={run.budget}",
-        "trainer.max_epochs=-1",  # the sample budget ends every run
+        # the sample budget ends every run; whole epochs of it also set max_epochs for epoch-based schedules
+        f"trainer.max_epochs={math.ceil(run.budget / task.epoch_samples) if task.epoch_samples else -1}",
         f"output_dir={out / 'runs' / run.task / run.run_id}",
         *task.overrides,
         *run.overrides,
@@ -221,9 +256,28 @@ def run_one(task: Task, run: Run, out: Path, extra: list[str], schedule: str) ->
         "mean_batch": result["samples_seen"] / result["steps"],
         "samples": result["samples_seen"],
         "final_batch": result["final_batch_size"],
+        **tracking(result.get("trace_csv"), cfg.simigrad.target_similarity, cfg.simigrad.max_batch_size),
         "wall_s": round(wall, 2),
         "cpu_s": round(cpu, 2),
         "run_dir": result["output_dir"],
+    }
+
+
+def tracking(trace_csv: str | None, target: float, cap: int | None) -> dict[str, float]:
+    """How the batch followed B* = 2 B_noise tau / (1 - tau) over the run's second half, and time at the cap.
+
+    ``batch_over_bstar``: median of B / B* (1: on B*); ``at_cap``: share of all steps at ``max_batch_size``.
+    """
+    if not trace_csv or not Path(trace_csv).is_file():
+        return {"batch_over_bstar": math.nan, "at_cap": math.nan}
+    with open(trace_csv) as f:
+        trace = [(float(r["batch_size"]), float(r["noise_scale"])) for r in csv.DictReader(f)]
+    ratios = [
+        b / (2 * ns * target / (1 - target)) for b, ns in trace[len(trace) // 2 :] if math.isfinite(ns) and ns > 0
+    ]
+    return {
+        "batch_over_bstar": statistics.median(ratios) if ratios else math.nan,
+        "at_cap": sum(b >= cap for b, _ in trace) / len(trace) if cap else 0.0,
     }
 
 
@@ -235,7 +289,8 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
     for row in rows:
         for key in ("batch", "seed", "budget", "steps", "samples", "final_batch"):
             row[key] = int(float(row[key]))
-        for key in ("lr", "lr_mult", "metric_value", "accuracy_value", "mean_batch", "wall_s", "cpu_s"):
+        for key in ("lr", "lr_mult", "metric_value", "accuracy_value", "mean_batch", "batch_over_bstar", "at_cap",
+                    "wall_s", "cpu_s"):  # fmt: skip
             row[key] = float(row[key])
         row["target"] = float(row["target"]) if row["target"] != "" else None
     return rows
@@ -323,15 +378,16 @@ def summary_table(rows: list[dict[str, Any]], task: str) -> str:
             grid[g.first["batch"]].append(g.first["lr_mult"])
     metric, accuracy = rows[0]["metric"], rows[0]["accuracy"]
     lines = [
-        f"| run | B (B0) | lr | seeds | optimizer steps | mean batch | {metric} | {accuracy} | wall s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"| run | B (B0) | lr | seeds | optimizer steps | mean batch | {metric} | {accuracy} | B/B*, at cap | wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def line(g: Group, label: str) -> str:
         return (
             f"| {label} | {g.first['batch']} | {g.first['lr']:.3g} | {len(g.rows)} | {g.mean('steps'):.0f}"
             f" | {g.mean('mean_batch'):.0f} | {g.mean('metric_value'):.4f} ± {g.std('metric_value'):.4f}"
-            f" | {g.mean('accuracy_value'):.4f} ± {g.std('accuracy_value'):.4f} | {g.mean('wall_s'):.0f} |"
+            f" | {g.mean('accuracy_value'):.4f} ± {g.std('accuracy_value'):.4f}"
+            f" | {_follow(g)} | {g.mean('wall_s'):.0f} |"
         )
 
     for g in sorted(
@@ -371,6 +427,14 @@ def summary_table(rows: list[dict[str, Any]], task: str) -> str:
     return "\n".join(lines)
 
 
+def _follow(g: Group) -> str:
+    if g.first["method"] == "static":
+        return ""
+    ratios = [r["batch_over_bstar"] for r in g.rows if math.isfinite(r["batch_over_bstar"])]
+    ratio = f"{statistics.median(ratios):.2f}" if ratios else "-"
+    return f"{ratio}, {g.mean('at_cap'):.0%}"
+
+
 def plot_task(rows: list[dict[str, Any]], task: str, path: Path) -> None:
     """Metric against optimizer steps (static frontier, SimiGrad points) and SimiGrad's batch-size traces."""
     import matplotlib
@@ -407,6 +471,11 @@ def plot_task(rows: list[dict[str, Any]], task: str, path: Path) -> None:
                 samples, sizes = [float(x["samples_seen"]) for x in t], [float(x["batch_size"]) for x in t]
                 first, traced = r is g.rows[0], True
                 ax_trace.plot(samples, sizes, color=color, alpha=0.6, linewidth=0.8, label=label if first else None)
+    # the frontier and SimiGrad set the range; a rate that diverged would squash them into one line
+    shown = [(g.mean("metric_value"), g.std("metric_value")) for g in [*frontier.values(), *others]]
+    if shown:
+        low, high = min(m - s for m, s in shown), max(m + s for m, s in shown)
+        ax.set_ylim(low - 0.1 * (high - low), high + 0.1 * (high - low))
     ax.set_xscale("log")
     ax.set_xlabel("optimizer steps")
     ax.set_ylabel(f"final {rows[0]['metric']} (lower is better)")
@@ -432,6 +501,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sizes", default=None, help="static batches, comma-separated (default: 6 powers of 2 from B0)")
     p.add_argument("--lr-grid", default=None, help="LR multipliers around lr0 sqrt(B/B0) (default 0.5,1,2; --quick: 1)")
     p.add_argument("--budget-scale", type=float, default=1.0, help="multiply every task's sample budget")
+    p.add_argument("--extend", type=int, default=None,
+                   help="times to widen the LR grid where a best rate is at its edge (2; quick 0)")  # fmt: skip
     p.add_argument("--variant", action="append", default=[], metavar="NAME:OVERRIDES",
                    help="an extra SimiGrad configuration: the paper rule at the first target, plus these")  # fmt: skip
     p.add_argument("--no-static", action="store_true", help="run no static batch (B0's LR: from the CSV, else x1)")
@@ -454,6 +525,8 @@ def main(argv: list[str] | None = None) -> int:
     csv_path = out / "results.csv"
     seeds = _ints(args.seeds) if args.seeds else ([0] if args.quick else [0, 1, 2])
     lr_grid = [float(x) for x in (args.lr_grid or ("1" if args.quick else "0.5,1,2")).split(",")]
+    if args.extend is None:
+        args.extend = 0 if args.quick else 2
     variants = [tuple(v.split(":", 1)) for v in args.variant]
     if any(len(v) != 2 for v in variants):
         sys.exit("--variant takes NAME:OVERRIDES, e.g. linear:simigrad.lr_scaling=linear")
@@ -467,15 +540,21 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.tasks.split(","):
         if name not in TASKS:
             sys.exit(f"unknown task {name!r}; choose from {', '.join(TASKS)}")
-        task = TASKS[name]
-        budget = round((task.quick_budget if args.quick else task.budget) * args.budget_scale)
-        sizes = _ints(args.sizes) if args.sizes else [task.smallest_batch * 2**i for i in range(SIZES)]
         extra = [o.split(":", 1)[1] if ":" in o.split("=", 1)[0] else o for o in args.override
                  if ":" not in o.split("=", 1)[0] or o.split(":", 1)[0] == name]  # fmt: skip
+        task = with_recipe_defaults(TASKS[name], extra)
+        budget = round((task.quick_budget if args.quick else task.budget) * args.budget_scale)
+        sizes = _ints(args.sizes) if args.sizes else [task.smallest_batch * 2**i for i in range(SIZES)]
         plan = [] if args.no_static else static_runs(task, name, sizes, lr_grid, seeds, budget)
         todo = [r for r in plan if r.run_id not in done]
         print(f"\n== {name}: {budget} samples per run; {len(plan)} static runs ({len(plan) - len(todo)} already done)")
         trained += _train_all(task, todo, out, extra, args.schedule, csv_path)
+        for _ in range(0 if args.no_static else args.extend):
+            todo = widen_grid(task, name, read_rows(csv_path), sizes, seeds, budget)
+            if not todo:
+                break
+            print(f"== {name}: {len(todo)} static runs beyond the LR grid's edge, where a batch's best rate sits")
+            trained += _train_all(task, todo, out, extra, args.schedule, csv_path)
         # SimiGrad starts from B0 with B0's best learning rate among those tried
         b0_rows = [r for r in read_rows(csv_path) if r["task"] == name and r["method"] == "static"
                    and r["batch"] == task.smallest_batch and r["budget"] == budget]  # fmt: skip

@@ -27,7 +27,7 @@ def row(method: str, batch: int, lr_mult: float, seed: int, metric: float, steps
         "variant": variant, "batch": batch, "lr": 0.1 * lr_mult, "lr_mult": lr_mult, "target": target, "seed": seed,
         "budget": 1000, "metric": "val/loss", "metric_value": metric, "accuracy": "val/acc",
         "accuracy_value": 1 - metric, "steps": steps, "mean_batch": 1000 / steps, "samples": 1000,
-        "final_batch": batch, "wall_s": 1.0, "cpu_s": 1.0, "run_dir": "nowhere",
+        "final_batch": batch, "batch_over_bstar": 1.0, "at_cap": 0.0, "wall_s": 1.0, "cpu_s": 1.0, "run_dir": "nowhere",
     }  # fmt: skip
 
 
@@ -42,7 +42,8 @@ def static_rows() -> list[dict]:
 
 
 def test_the_plan_covers_sizes_rates_seeds_and_starts_simigrad_from_b0() -> None:
-    task = efficiency.TASKS["digits"]
+    task = efficiency.with_recipe_defaults(efficiency.TASKS["digits"], [])
+    assert task.smallest_batch == 16 and task.lr0 > 0
     sizes = [task.smallest_batch * 2**i for i in range(efficiency.SIZES)]
     static = efficiency.static_runs(task, "digits", sizes, [0.5, 1, 2], [0, 1, 2], 5000)
     assert len(static) == 6 * 3 * 3 and len({r.run_id for r in static}) == len(static)
@@ -122,3 +123,17 @@ def test_quick_study_runs_every_configuration_and_resumes(tmp_path: Path) -> Non
     # run again: everything is in the CSV already, nothing is trained
     again = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and "\n0 runs trained in" in again.stdout, again.stdout[-2000:]
+
+
+def test_the_grid_widens_past_an_edge_and_fills_in_new_seeds() -> None:
+    task = efficiency.with_recipe_defaults(efficiency.TASKS["digits"], [])
+    rows = [dict(r, task="digits", budget=1000) for r in static_rows()]
+    for r in rows:  # run ids as the plan names them, so that the plan sees what is done
+        run = efficiency.static_runs(task, "digits", [r["batch"]], [r["lr_mult"]], [r["seed"]], 1000)[0]
+        r["run_id"] = run.run_id
+    # B=64's best rate is the grid's largest (x2): x4 is added; B=16 and B=32 have theirs inside the grid
+    added = efficiency.widen_grid(task, "digits", rows, [16, 32, 64], [0, 1], 1000)
+    assert {(r.batch, r.lr_mult) for r in added} == {(64, 4)} and {r.seed for r in added} == {0, 1}
+    # a new seed gets every rate its batch has been tried at
+    more = efficiency.widen_grid(task, "digits", rows, [16], [2], 1000)
+    assert sorted(r.lr_mult for r in more) == [0.5, 1, 2] and all(r.seed == 2 for r in more)
