@@ -80,6 +80,12 @@ def ema_share_older_than(values: list[float], decay: float, lag: int) -> float:
     return old / total if total else math.nan
 
 
+def ema_mean_age(values: list[float], decay: float) -> float:
+    """Mean age in steps of what the EMA of ``values`` holds at the last step, each step weighed by its share."""
+    weights = [(1 - decay) * decay ** (len(values) - 1 - i) * v for i, v in enumerate(values)]
+    return sum((len(values) - 1 - i) * w for i, w in enumerate(weights)) / sum(weights)
+
+
 def raw_ema_noise_scale(rows: list[dict[str, float]], decay: float) -> list[float]:
     """EMA(tr Sigma) / EMA(|G|^2) of the raw values: the library's estimator before it smoothed relative ones."""
     num = den = 0.0
@@ -208,6 +214,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"   |G|^2 estimate, mean over the same half: at B = {top} {at_top:.3g}, epoch tails {at_tails:.3g}")
     share = ema_share_older_than([r["dot"] for r in rows], decay, lag=20)
     print(f"   share of the final EMA of |G|^2 from steps more than 20 steps old: {share:.3f}")
+    age = ema_mean_age([r["dot"] for r in rows], decay)
+    print(f"   mean age of the final EMA of |G|^2, weighed by content: {age:.0f} steps")
 
     # ---- 2 and 3. frozen weights: finite population and the estimator across window sizes
     module, datamodule = captured["module"], captured["datamodule"]
