@@ -57,7 +57,7 @@ def test_help_lists_the_groups_and_the_shipped_experiments(tmp_path: Path) -> No
     assert "--config-dir" in proc.stdout
 
 
-# A user's experiment beside ours: it picks our options and one of its own.
+# The README's example of user configs, verbatim (test_readme_shows_the_tested_user_configs keeps them in step).
 USER_EXPERIMENT = """\
 # @package _global_
 defaults:
@@ -101,6 +101,12 @@ def test_user_experiment_in_config_dir_overrides_our_groups(
     with (run_dir / "simigrad_trace.csv").open() as f:
         assert len(list(csv.DictReader(f))) == 4  # debug=smoke, applied over the user's experiment
     assert list(run_dir.glob("logs/*/metrics.csv"))  # logger=csv
+
+
+def test_readme_shows_the_tested_user_configs() -> None:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert f"```yaml\n{USER_EXPERIMENT}```" in readme and f"```yaml\n{USER_MODEL}```" in readme
+    assert "simigrad-train --config-dir ./my_conf experiment=my_exp" in readme
 
 
 def _error_line(proc: subprocess.CompletedProcess[str]) -> str:
