@@ -11,26 +11,27 @@ import glob
 import json
 import pickle
 import struct
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
+from hydra import compose, initialize_config_module
 from omegaconf import DictConfig
 
-from recipes.errors import RecipeError
-from recipes.loggers import wandb_has_credentials
-from recipes.train import config_dir, train
+from lightning_simigrad_recipes.errors import RecipeError
+from lightning_simigrad_recipes.loggers import wandb_has_credentials
+from lightning_simigrad_recipes.train import CONFIG_MODULE, train
 
-CONF = config_dir()
+CONF = Path(str(resources.files(CONFIG_MODULE)))  # the configs Hydra reads: the checkout's conf/ when editable
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 TINY = ["num_threads=2", "logger=none"]
 
 
 def compose_cfg(overrides: list[str]) -> DictConfig:
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+    with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
         return compose(config_name="train", overrides=overrides)
 
 
@@ -97,6 +98,24 @@ def test_every_experiment_composes(experiment: str, simigrad: str) -> None:
     assert cfg.simigrad.controller == ("noise_scale" if simigrad == "noise_scale" else "paper")
     assert cfg.optimizer._partial_ is True
     assert cfg.trainer.max_steps == 4 and cfg.trainer.accelerator == "cpu"
+
+
+def _targets(node: Any) -> list[str]:
+    if isinstance(node, dict):
+        own = [node["_target_"]] if isinstance(node.get("_target_"), str) else []
+        return own + [t for value in node.values() for t in _targets(value)]
+    return [t for value in node for t in _targets(value)] if isinstance(node, list) else []
+
+
+def test_every_target_in_the_configs_resolves() -> None:
+    """Every ``_target_`` of every config file names something importable, under the installed package names."""
+    import yaml
+    from hydra.utils import get_object
+
+    targets = sorted({t for f in CONF.rglob("*.yaml") for t in _targets(yaml.safe_load(f.read_text()))})
+    assert "lightning_simigrad_recipes.data.digits.DigitsDataModule" in targets
+    for target in targets:
+        assert callable(get_object(target)), target
 
 
 def test_paper_settings_are_the_defaults() -> None:

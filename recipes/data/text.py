@@ -20,9 +20,9 @@ import torch
 from torch.utils.data import Dataset
 from transformers import DataCollatorForLanguageModeling, PreTrainedTokenizerFast
 
-from recipes.data.base import RecipeDataModule
-from recipes.data.tokenizer import build_tokenizer
-from recipes.errors import RecipeError
+from lightning_simigrad_recipes.data.base import RecipeDataModule
+from lightning_simigrad_recipes.data.tokenizer import build_tokenizer
+from lightning_simigrad_recipes.errors import RecipeError
 
 
 def expand_files(files: str | list[str] | None) -> list[Path]:

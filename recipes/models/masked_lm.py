@@ -8,7 +8,7 @@ import lightning.pytorch as pl
 import torch
 from transformers import BertConfig, BertForMaskedLM
 
-from recipes.models.common import OptimizerFactory, SchedulerFactory, configure
+from lightning_simigrad_recipes.models.common import OptimizerFactory, SchedulerFactory, configure
 
 
 class MaskedLM(pl.LightningModule):
