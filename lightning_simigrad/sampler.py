@@ -12,19 +12,25 @@ the sampler starts, and every step still knows exactly which samples it averages
 On several ranks all of them walk the same global order (a permutation seeded identically on every
 rank) and each takes its slots of each window, so every sample is fed exactly once per epoch with no
 padding, unlike ``DistributedSampler``.
+
+Two bounds cut windows, both counted in samples: ``epoch_limit`` (Lightning's ``limit_train_batches``,
+converted by the callback) ends the epoch, and the fit's remaining sample budget (``max_steps`` in steps
+of B0, or ``max_samples``) ends the window that reaches it. Either way the window is planned to exactly
+what is left, as an epoch tail is, so no window is ever cut short by the training loop.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
-from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler, Sampler, SequentialSampler
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, Sampler, SequentialSampler
 
 from lightning_simigrad.plan import Window, plan_window
 
-__all__ = ["AdaptiveBatchSampler", "EpochPlan", "WindowSchedule"]
+__all__ = ["AdaptiveBatchSampler", "EpochPlan", "WindowSchedule", "with_batch_sampler"]
 
 
 @dataclass
@@ -56,6 +62,10 @@ class WindowSchedule:
         min_micro_batches: 2 on one process (its halves are two halves of the window), else 1.
         seed: seed of the shuffling permutation; identical on all ranks.
         epoch: returns the epoch being iterated (read when an epoch's iterator starts).
+        epoch_limit: most samples an epoch feeds (None: the whole dataset).
+        samples_left: returns how many samples the fit may still train (read when an epoch's iterator
+            starts, when every window planned before has been trained); ``math.inf`` when unbounded.
+            The window that reaches it is cut to exactly what is left.
     """
 
     batch_size: int
@@ -64,11 +74,13 @@ class WindowSchedule:
     min_micro_batches: int = 1
     seed: int = 0
     epoch: Callable[[], int] = lambda: 0
+    epoch_limit: int | None = None
+    samples_left: Callable[[], float] = lambda: math.inf
     current: EpochPlan = field(default_factory=EpochPlan)
     # (epoch, samples of completed windows) to skip when a run resumes in the middle of an epoch
     resume_from: tuple[int, int] | None = None
 
-    def plan(self, available: int) -> Window:
+    def plan(self, available: int, take_small_remainder: bool = True) -> Window:
         return plan_window(
             self.batch_size,
             available,
@@ -76,6 +88,7 @@ class WindowSchedule:
             self.max_micro_batch_size,
             self.min_micro_batches,
             even_micro_batches=self.min_micro_batches >= 2,
+            take_small_remainder=take_small_remainder,
         )
 
 
@@ -154,21 +167,28 @@ class AdaptiveBatchSampler(BatchSampler):
         schedule = self.schedule
         epoch = schedule.epoch()
         order = self.epoch_order(epoch)
+        data_end = len(order) if schedule.epoch_limit is None else min(len(order), schedule.epoch_limit)
         position = 0
         if schedule.resume_from is not None and schedule.resume_from[0] == epoch:
             position = schedule.resume_from[1]
+        # the fit's sample budget cuts the window that reaches it to exactly what is left; windows after it
+        # are planned as usual but never trained (the callback stops the fit), so the epoch does not
+        # look finished to Lightning, as with any stop in the middle of an epoch
+        budget = schedule.samples_left()
         plan = EpochPlan(epoch)
         schedule.current = plan
-        while position < len(order):
-            available = len(order) - position
-            if self.drop_last and available < schedule.batch_size:
-                break
-            window = schedule.plan(available)
+        while position < data_end:
+            if self.drop_last and data_end - position < schedule.batch_size:
+                break  # the data's own tail, smaller than a window
+            end = data_end if budget <= 0 else int(min(data_end, position + budget))
+            # a remainder drop_last would drop is not folded into the window before it
+            window = schedule.plan(end - position, take_small_remainder=not (self.drop_last and end == data_end))
+            budget -= window.total
             plan.windows.append(window)
             for j in range(window.num_micro_batches):
                 start = position + window.offset(j, self.rank)
                 size = window.sizes[j][self.rank]
-                # a rank left without samples in a tiny tail still steps: it feeds one sample that
+                # a rank left without samples in a tiny epoch still steps: it feeds one sample that
                 # the callback weighs by zero
                 yield order[start : start + size] if size else [order[position]]
             position += window.total
@@ -178,3 +198,21 @@ class AdaptiveBatchSampler(BatchSampler):
         # length as a promise (it ends the epoch when that many batches were fetched), so there is none:
         # Lightning then finds the epoch's end by fetching one batch ahead.
         raise TypeError("an adaptive batch sampler has no length: its epoch's micro-batch count is decided as it goes")
+
+
+def with_batch_sampler(loader: DataLoader, batch_sampler: BatchSampler) -> DataLoader:
+    """A DataLoader like ``loader`` (workers, collation, pinning, ...) that draws from ``batch_sampler``."""
+    return DataLoader(
+        loader.dataset,
+        batch_sampler=batch_sampler,
+        num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context,
+        generator=loader.generator,
+        prefetch_factor=loader.prefetch_factor if loader.num_workers > 0 else None,
+        persistent_workers=loader.persistent_workers,
+        pin_memory_device=loader.pin_memory_device,
+    )

@@ -58,8 +58,14 @@ class WindowHalvesMeasurement:
         self._first = []
 
     @torch.no_grad()
-    def combine(self, params: list[Tensor], n_a: int, n_b: int, inv_scale: float = 1.0) -> HalfStats:
-        """Statistics of the two halves; leaves ``p.grad`` holding the whole window's gradient."""
+    def combine(
+        self, params: list[Tensor], n_a: int, n_b: int, inv_scale: float = 1.0, total: int | None = None
+    ) -> HalfStats:
+        """Statistics of the two halves; leaves ``p.grad`` holding the whole window's gradient.
+
+        ``total`` is the window's planned :math:`N` (each sample weighed ``1/N``); it exceeds
+        ``n_a + n_b`` when a micro-batch was skipped (``training_step`` returned None).
+        """
         parts = []
         aside = set()
         for p, first in self._first:
@@ -76,6 +82,6 @@ class WindowHalvesMeasurement:
                 parts.append(torch.stack([torch.zeros_like(rr), torch.zeros_like(rr), rr]))
         self._first = []
         ss, sr, rr = (torch.stack(parts).sum(0) if parts else torch.zeros(3, dtype=torch.float64)).tolist()
-        total = n_a + n_b
+        total = n_a + n_b if total is None else total
         fa, fb = total / n_a * inv_scale, total / n_b * inv_scale  # g_A = fa s, g_B = fb r, unscaled
         return HalfStats(dot=sr * fa * fb, sq_a=ss * fa * fa, sq_b=rr * fb * fb, n_a=n_a, n_b=n_b)

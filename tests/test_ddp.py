@@ -121,7 +121,8 @@ class EquilibriumDump(pl.Callback):
 
 def test_ddp_batch_size_settles_at_the_equilibrium(tmp_path):
     expected = equilibrium_batch_size(NOISE_SCALE, 0.8)
-    cb = SimiGrad(target_similarity=0.8, max_micro_batch_size=256)
+    # max_steps counts optimizer steps here (not steps of B0 samples): 150 steps, whatever their size
+    cb = SimiGrad(target_similarity=0.8, max_micro_batch_size=256, schedule_by_samples=False)
     t = trainer(
         devices=2, strategy="ddp_spawn", max_steps=150, max_epochs=-1, callbacks=[cb, EquilibriumDump(tmp_path)]
     )

@@ -11,6 +11,7 @@ import glob
 import json
 import pickle
 import struct
+import time
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -237,7 +238,12 @@ def test_wandb_offline_run_holds_traces_config_and_image(tmp_path: Path, monkeyp
     assert Path(result["trace_png"]).is_file() and Path(result["trace_csv"]).is_file()
 
     (run_file,) = glob.glob(str(tmp_path / "wb" / "wandb" / "offline-run-*" / "run-*.wandb"))
+    # W&B's service process may still be writing the file when `finish()` returns: wait for its exit record
+    deadline = time.monotonic() + 60
     records = wandb_records(Path(run_file))
+    while not any(r.WhichOneof("record_type") == "exit" for r in records) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        records = wandb_records(Path(run_file))
     rows = [
         {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
         for r in records
