@@ -291,3 +291,16 @@ def test_malformed_cifar_batch_is_refused(tmp_path: Path) -> None:
     cfg = compose_cfg(["experiment=resnet18_cifar10", f"data.root={root}", f"output_dir={tmp_path}/run", *TINY])
     with pytest.raises(RecipeError, match="data_batch_3 is not a CIFAR-10 python batch"):
         train(cfg)
+
+
+def test_a_schedule_over_the_fit_runs_once_whatever_the_batch(tmp_path: Path) -> None:
+    # digits, two epochs of 1437 images, B0 = 16: the schedule spans ceil(1437 / 16) x 2 = 180 steps of B0
+    overrides = ["scheduler=warmup_linear", "model.scheduler_interval=step", "trainer.max_epochs=2", "logger=none"]
+    cfg = compose_cfg([*overrides, f"output_dir={tmp_path}", "num_threads=2"])
+    result = train(cfg)
+    with open(result["trace_csv"]) as f:
+        rows = list(csv.DictReader(f))
+    lrs = [float(r["lr"]) / float(r["lr_scale"]) for r in rows]  # the schedule's own value at each step
+    peak = max(lrs)
+    assert len(rows) < 90  # far fewer optimizer steps than the 180 of the fixed batch
+    assert lrs.index(peak) < len(lrs) // 4 and lrs[-1] < 0.05 * peak  # warm-up, then decay to (almost) 0
