@@ -29,7 +29,17 @@ import lightning.pytorch as pl
 from lightning.pytorch.loops.optimization.automatic import ClosureResult
 from torch.optim import Optimizer
 
-__all__ = ["VariableAccumulation"]
+__all__ = ["VariableAccumulation", "require_lightning_internals"]
+
+
+def require_lightning_internals(*members: tuple[object, str]) -> None:
+    """Raise a clear error if this Lightning lacks a private member (``(owner, name)``) SimiGrad replaces."""
+    for owner, name in members:
+        if not callable(getattr(owner, name, None)):
+            raise RuntimeError(
+                f"SimiGrad needs `{type(owner).__name__}.{name}` of Lightning 2.6, which this Lightning"
+                f" ({pl.__version__}) lacks. Install `lightning>=2.6,<2.7`."
+            )
 
 
 class VariableAccumulation:
@@ -45,18 +55,13 @@ class VariableAccumulation:
     def attach(self, trainer: pl.Trainer) -> None:
         epoch_loop = trainer.fit_loop.epoch_loop
         automatic = epoch_loop.automatic_optimization
-        for owner, name in (
+        require_lightning_internals(
             (epoch_loop, "_accumulated_batches_reached"),
             (automatic, "_make_zero_grad_fn"),
             (automatic, "_on_before_zero_grad"),
             (automatic, "_optimizer_zero_grad"),
             (automatic, "output_result_cls"),
-        ):
-            if not callable(getattr(owner, name, None)):
-                raise RuntimeError(
-                    f"SimiGrad needs `{type(owner).__name__}.{name}` of Lightning 2.6, which this Lightning"
-                    f" ({pl.__version__}) lacks. Install `lightning>=2.6,<2.7`."
-                )
+        )
         self._trainer = trainer
         self._user_accumulate_grad_batches = trainer.accumulate_grad_batches
         epoch_loop._accumulated_batches_reached = lambda: self.window_end  # type: ignore[method-assign]

@@ -239,6 +239,8 @@ class SimiGrad(Callback):
         overfit = getattr(trainer, "overfit_batches", 0) > 0
         order: Any = SequentialSampler(loader.dataset) if overfit else loader.sampler  # type: ignore[arg-type]
         self._data = (len(order), loader.batch_size, loader.drop_last)
+        if self.schedule is None:
+            self._b0 = self._initial_batch_size(trainer, loader.batch_size)
         if not self._active:
             return loader
         if self.schedule is None:
@@ -255,15 +257,17 @@ class SimiGrad(Callback):
         )
         return with_batch_sampler(loader, batch_sampler)
 
+    def _initial_batch_size(self, trainer: pl.Trainer, loader_batch_size: int) -> int:
+        """B0: checkpointed, given, or the DataLoader's batch (before any tuning) x world x accumulation."""
+        if "initial_batch_size" in self._loaded:
+            return int(self._loaded["initial_batch_size"])
+        per_device = self._batch_size_before_tuning or loader_batch_size
+        return self.initial_batch_size or per_device * self._world_size * int(trainer.accumulate_grad_batches)
+
     def _create_schedule(self, trainer: pl.Trainer, loader_batch_size: int) -> None:
         world = self._world_size
         min_micro_batches = 2 if world == 1 else 1
-        per_device = self._batch_size_before_tuning or loader_batch_size
-        b0 = self._loaded.get(
-            "initial_batch_size",
-            self.initial_batch_size or per_device * world * int(trainer.accumulate_grad_batches),
-        )
-        self._b0 = int(b0)
+        self._b0 = self._initial_batch_size(trainer, loader_batch_size)
         args = dict(self._controller_args)
         # a measurement needs two halves: two samples on one process, one per rank under DDP
         args["min_batch_size"] = max(args["min_batch_size"] or 1, world * min_micro_batches)
@@ -512,6 +516,7 @@ class SimiGrad(Callback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._loaded = dict(state_dict)
+        self.schedule = self.controller = None  # built again from the checkpoint's state when the data loads
 
     # ------------------------------------------------------------------------------ ddp_spawn
     def spawn_state(self) -> dict[str, Any]:

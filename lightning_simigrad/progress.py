@@ -25,6 +25,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.trainer import call
 
+from lightning_simigrad.accumulation import require_lightning_internals
 from lightning_simigrad.sample_counts import FitLength
 
 __all__ = ["SampleProgress"]
@@ -67,17 +68,12 @@ class SampleProgress:
     def attach(self, trainer: pl.Trainer) -> None:
         fit_loop = trainer.fit_loop
         epoch_loop = fit_loop.epoch_loop
-        for owner, name in (
+        require_lightning_internals(
             (epoch_loop, "_update_learning_rates"),
             (epoch_loop, "_should_check_val_fx"),
             (epoch_loop, "_should_check_val_epoch"),
             (fit_loop, "setup_data"),
-        ):
-            if not callable(getattr(owner, name, None)):
-                raise RuntimeError(
-                    f"SimiGrad needs `{type(owner).__name__}.{name}` of Lightning 2.6, which this Lightning"
-                    f" ({pl.__version__}) lacks. Install `lightning>=2.6,<2.7`."
-                )
+        )
         self._trainer = trainer
         self._originals = {
             "_update_learning_rates": epoch_loop._update_learning_rates,

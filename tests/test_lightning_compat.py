@@ -557,3 +557,38 @@ def test_lightning_cli_configures_simigrad_from_yaml_and_the_command_line(tmp_pa
     )
     (cb,) = [c for c in cli.trainer.callbacks if isinstance(c, SimiGrad)]
     assert cb.target_similarity == 0.8 and cb.samples_seen == 100
+
+
+# ---------------------------------------------------------------------------------------------- everyday flags
+@pytest.mark.parametrize(
+    "flags,per_epoch,first_step",
+    [
+        (dict(accumulate_grad_batches=3), 128, 24),  # B0 = 8 x 3: the user's accumulation sets the first batch
+        (dict(overfit_batches=2), 16, 8),  # the same first 2 batches of samples every epoch, in order
+        (dict(reload_dataloaders_every_n_epochs=1), 128, 8),
+        (dict(deterministic=True, gradient_clip_val=0.5, log_every_n_steps=1), 128, 8),
+    ],
+)
+def test_everyday_trainer_flags_keep_every_step_exact(flags, per_epoch, first_step):
+    cb = SimiGrad(target_similarity=0.95)
+    t, model, audit = fit_boring(cb, max_epochs=3, **flags)
+    seen = [i for s in audit.steps for i in s]
+    assert cb.samples_seen == len(seen) == 3 * per_epoch
+    for epoch in range(3):
+        assert len(set(seen[epoch * per_epoch : (epoch + 1) * per_epoch])) == per_epoch
+    if "overfit_batches" in flags:
+        assert sorted(set(seen)) == list(range(16))
+    assert cb.history[0]["batch_size"] == first_step
+    assert max(audit.errors) < 1e-5  # (before clipping, which Lightning applies after on_before_optimizer_step)
+
+
+def test_sanity_validation_and_every_other_epoch_validation():
+    pl.seed_everything(0)
+    datamodule = ImagesDataModule(n=256, batch_size=16)
+    model = LitClassifier()
+    cb = SimiGrad(target_similarity=0.9)
+    t = trainer(callbacks=[cb], max_epochs=4, num_sanity_val_steps=2, check_val_every_n_epoch=2)
+    t.fit(model, datamodule=datamodule)
+    # two sanity batches of 16, then the whole validation set after epochs 2 and 4
+    assert len(model.validated) == 2 * 16 + 2 * len(datamodule.val_set)
+    assert cb.samples_seen == 4 * len(datamodule.train_set)
