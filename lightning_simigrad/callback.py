@@ -19,12 +19,14 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.connectors.data_connector import _DataLoaderSource
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader, SequentialSampler
 from typing_extensions import override
 
 from lightning_simigrad import spawn_results
 from lightning_simigrad.accumulation import VariableAccumulation
+from lightning_simigrad.checkpoint import FORMAT_VERSION, validate_state
 from lightning_simigrad.compatibility import (
     AppliedLRMonitor,
     batch_size_before_tuning,
@@ -38,7 +40,7 @@ from lightning_simigrad.lr_scaling import LR_SCALINGS, StepLRScaler, lr_factor
 from lightning_simigrad.plan import Window
 from lightning_simigrad.progress import SampleProgress
 from lightning_simigrad.sample_counts import FitLength, epoch_limit, validation_interval
-from lightning_simigrad.sampler import AdaptiveBatchSampler, WindowSchedule, with_batch_sampler
+from lightning_simigrad.sampler import AdaptiveBatchSampler, ResumePoint, WindowSchedule, with_batch_sampler
 from lightning_simigrad.statistics import HalfStats
 from lightning_simigrad.window_measurement import WindowHalvesMeasurement
 
@@ -87,9 +89,13 @@ class SimiGrad(Callback):
             own counting, per optimizer step.
         max_samples: end the fit after this many samples (the last step takes exactly what is left).
         progress_bar: show the batch size in the progress bar.
+        history_size: how many of the latest steps :attr:`history` keeps (None: every step of the fit,
+            0: none). Loggers receive every step whatever it is.
 
     Raises:
-        ValueError: at construction, for arguments out of range.
+        ValueError: at construction, for arguments out of range; when a checkpoint is restored, for a
+            SimiGrad state that is malformed or of another format version, and for a checkpoint written in
+            the middle of an epoch of a training set of another size.
         RuntimeError: at setup, for a setup it cannot serve (manual optimization, a strategy other
             than single-device or DDP, ``GradientAccumulationScheduler``, a ``training_step`` that takes
             ``dataloader_iter``), and before the first step for a training DataLoader without a sized
@@ -127,6 +133,7 @@ class SimiGrad(Callback):
         schedule_by_samples: bool = True,
         max_samples: int | None = None,
         progress_bar: bool = True,
+        history_size: int | None = 10_000,
     ) -> None:
         if lr_scaling not in LR_SCALINGS:
             raise ValueError(f"`lr_scaling` must be one of {LR_SCALINGS}, got {lr_scaling!r}.")
@@ -141,6 +148,13 @@ class SimiGrad(Callback):
         ):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise ValueError(f"`{name}` must be a positive int or None, got {value!r}.")
+        if history_size is not None and (
+            isinstance(history_size, bool) or not isinstance(history_size, int) or history_size < 0
+        ):
+            raise ValueError(
+                f"`history_size` must be a non-negative int or None, got {history_size!r}. Use None to keep every"
+                " step, 0 to keep none."
+            )
         self._controller_args: dict[str, Any] = dict(
             target_similarity=target_similarity,
             min_batch_size=min_batch_size,
@@ -164,9 +178,11 @@ class SimiGrad(Callback):
         self.schedule_by_samples = bool(schedule_by_samples)
         self.max_samples = max_samples
         self.progress_bar = progress_bar
+        self.history_size = history_size
 
         self.controller: BatchSizeController | None = None
         self.schedule: WindowSchedule | None = None
+        # one row per step, the latest `history_size` of them: a long fit's memory stays flat
         self.history: list[dict[str, float]] = []
         self.samples_seen = 0
         self.steps = 0
@@ -177,7 +193,8 @@ class SimiGrad(Callback):
         self._progress = SampleProgress(self._fit_length, self._counters, self._validation_interval)
         self._stats: HalfStats | None = None  # this window's, measured at its last backward on one process
         self._ranks: Any = None  # a RankGroupMeasurement under DDP
-        self._loaded: dict[str, Any] = {}
+        self._loaded: dict[str, Any] = {}  # the state of the checkpoint the fit resumes from
+        self._resumed_without_state = False  # the checkpoint has no SimiGrad state: resume at B0
         self._source: _DataLoaderSource | None = None
         self._trainer: pl.Trainer | None = None
         self._active = False  # False while a tuner runs its trials: SimiGrad then stays out of the way
@@ -288,12 +305,42 @@ class SimiGrad(Callback):
             epoch=lambda: _epoch_being_trained(trainer),
             samples_left=self._samples_left,
         )
-        if "epoch" in self._loaded:
-            self.schedule.resume_from = (self._loaded["epoch"], self._loaded["epoch_samples_done"])
         self.samples_seen = self._loaded.get("samples_seen", 0)
         self.steps = self._loaded.get("steps", 0)
         self._progress.load_state_dict(self._loaded.get("progress", {}))
+        if self._loaded:
+            self._resume(trainer)
+        elif self._resumed_without_state:
+            # counted as the fixed-batch run that wrote the checkpoint counted: its steps were B0 samples, and
+            # the step schedules it restored continue from where they are
+            self.steps = trainer.global_step
+            self.samples_seen = trainer.global_step * self._b0
+            self._progress.continue_restored_schedules()
         self._validation_interval()  # refuses an interval validation would never reach, before training
+
+    def _resume(self, trainer: pl.Trainer) -> None:
+        """Pick the epoch up where the checkpoint left it, or refuse a resume that cannot be exact."""
+        assert self.schedule is not None and self._data is not None
+        loaded = self._loaded
+        epoch, done = loaded["epoch"], loaded["epoch_samples_done"]
+        # a checkpoint written at the epoch's last batch ends it: Lightning then trains the next epoch
+        last_batch = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+        mid_epoch = epoch == _epoch_being_trained(trainer) and done > 0 and not last_batch
+        if mid_epoch and loaded["epoch_length"] != self._data[0]:
+            raise ValueError(
+                f"The checkpoint {trainer.ckpt_path} was written {done} samples into epoch {epoch} of a training set"
+                f" of {loaded['epoch_length']} samples; this fit's training set has {self._data[0]}, so the rest of"
+                " that epoch cannot be identified. Resume with the same training data, or from a checkpoint written"
+                " at the end of an epoch."
+            )
+        self.schedule.resume_from = ResumePoint(epoch, done, tuple(loaded["planned"]))
+        self._epoch_samples_done = done if mid_epoch else 0
+        if loaded["world_size"] != self._world_size:
+            rank_zero_info(
+                f"SimiGrad: resuming a checkpoint written on {loaded['world_size']} rank(s) on {self._world_size}:"
+                f" batch size {self.schedule.batch_size}, B0 {self._b0}, {self.samples_seen} samples seen; the rest"
+                f" of epoch {epoch} is shared among the {self._world_size} rank(s)."
+            )
 
     # ------------------------------------------------------------------------------ progress in samples
     def _epoch_samples(self) -> int:
@@ -371,7 +418,8 @@ class SimiGrad(Callback):
         if self.schedule is None:
             return
         resume = self.schedule.resume_from
-        self._epoch_samples_done = resume[1] if resume and resume[0] == _epoch_being_trained(trainer) else 0
+        resumed = resume is not None and resume.epoch == _epoch_being_trained(trainer)
+        self._epoch_samples_done = resume.samples_done if resume is not None and resumed else 0
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -449,6 +497,7 @@ class SimiGrad(Callback):
             grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
             torch._foreach_mul_(grads, window.total / fed)
             self._lr.rescale(self._lr_factor(fed))
+        self.schedule.current.commit()
         before = self._epoch_samples_done, self.samples_seen
         self.samples_seen += fed
         self._epoch_samples_done += fed
@@ -486,7 +535,10 @@ class SimiGrad(Callback):
             "simigrad/samples_seen": float(self.samples_seen),
             "simigrad/noise_scale": self.controller.noise_scale,
         }
-        self.history.append({"step": float(self.steps), **{k.split("/", 1)[1]: v for k, v in row.items()}})
+        if self.history_size != 0:
+            self.history.append({"step": float(self.steps), **{k.split("/", 1)[1]: v for k, v in row.items()}})
+            if self.history_size is not None and len(self.history) > self.history_size:
+                del self.history[: len(self.history) - self.history_size]
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(row, step=self.steps)
@@ -497,9 +549,10 @@ class SimiGrad(Callback):
     # ------------------------------------------------------------------------------ checkpoints
     @override
     def state_dict(self) -> dict[str, Any]:
-        if self.schedule is None or self.controller is None:
+        if self.schedule is None or self.controller is None or self._data is None:
             return dict(self._loaded)
         return {
+            "format_version": FORMAT_VERSION,
             "batch_size": self.schedule.batch_size,
             "initial_batch_size": self._b0,
             "controller": self.controller.state_dict(),
@@ -510,12 +563,33 @@ class SimiGrad(Callback):
             # the epoch the counted samples belong to: the one whose windows are being trained
             "epoch": self.schedule.current.epoch,
             "epoch_samples_done": self._epoch_samples_done,
+            # windows the sampler planned ahead of training, not yet averaged by a step: a resumed run plans them
+            # again, so it trains what the uninterrupted run trained (they were planned with earlier decisions)
+            "planned": self.schedule.current.pending,
+            "epoch_length": self._data[0],
+            "world_size": self._world_size,
             "progress": self._progress.state_dict(),
         }
 
     @override
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        # Lightning calls `load_state_dict` only when the checkpoint holds a state for this callback
+        self._loaded, self._resumed_without_state = {}, self.state_key not in checkpoint.get("callbacks", {})
+        self.schedule = self.controller = None  # built again from the checkpoint's state when the data loads
+        if self._resumed_without_state:
+            rank_zero_warn(
+                f"The checkpoint {trainer.ckpt_path} has no SimiGrad state (it was written by a fit without the"
+                " SimiGrad callback): SimiGrad starts again at the initial batch size B0 with a new controller,"
+                " counting the checkpoint's steps as steps of B0 samples."
+            )
+
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._loaded = dict(state_dict)
+        trainer = self._trainer
+        where = str(trainer.ckpt_path) if trainer is not None and trainer.ckpt_path else "the checkpoint"
+        self._loaded = dict(validate_state(state_dict, where))
         self.schedule = self.controller = None  # built again from the checkpoint's state when the data loads
 
     # ------------------------------------------------------------------------------ ddp_spawn

@@ -11,7 +11,10 @@ a fit, and restores them after:
   optimizer steps (time-based intervals and stops keep Lightning's own rule);
 - ``setup_data``: Lightning loads the training data without ``limit_train_batches`` and without a
   fractional ``val_check_interval`` (both of which it would refuse or apply in micro-batches for a loader
-  without a length); the sampler serves them in samples.
+  without a length); the sampler serves them in samples;
+- the epoch loop's ``reset``: a run resumed from a checkpoint written at an epoch's last batch starts the
+  next epoch. Lightning recognises that case by counting the epoch's batches, which a loader without a
+  length does not have: it would find the restored ``is_last_batch`` and skip the whole next epoch.
 
 Once per process it also makes ``Trainer.estimated_stepping_batches`` ask a fit's :class:`SampleProgress`
 where one is attached; every other Trainer gets Lightning's value, computed by Lightning's own code.
@@ -59,6 +62,7 @@ class SampleProgress:
         self.active = True  # False: Lightning's own behaviour (a tuner's trials run plain batches)
         # scheduler steps taken per step-interval scheduler config (by its index): checkpointed
         self.scheduler_steps: list[int] = []
+        self._continue_restored = False  # align the counts to the first progress, stepping nothing
         self._last_step_span: tuple[int, int, int, int] | None = None  # (epoch done before/after, total before/after)
         self._trainer: pl.Trainer | None = None
         self._originals: dict[str, Any] = {}
@@ -72,6 +76,8 @@ class SampleProgress:
             (epoch_loop, "_update_learning_rates"),
             (epoch_loop, "_should_check_val_fx"),
             (epoch_loop, "_should_check_val_epoch"),
+            (epoch_loop, "reset"),
+            (epoch_loop, "reset_restart_stage"),
             (fit_loop, "setup_data"),
         )
         self._trainer = trainer
@@ -79,8 +85,10 @@ class SampleProgress:
             "_update_learning_rates": epoch_loop._update_learning_rates,
             "_should_check_val_fx": epoch_loop._should_check_val_fx,
             "setup_data": fit_loop.setup_data,
+            "reset": epoch_loop.reset,
         }
         epoch_loop._update_learning_rates = self._update_learning_rates  # type: ignore[method-assign]
+        epoch_loop.reset = self._reset_epoch_loop  # type: ignore[method-assign]
         epoch_loop._should_check_val_fx = self._should_check_val_fx  # type: ignore[method-assign]
         fit_loop.setup_data = self._setup_data  # type: ignore[method-assign]
         if self.schedule_by_samples:
@@ -93,6 +101,7 @@ class SampleProgress:
             return
         trainer.fit_loop.epoch_loop.__dict__.pop("_update_learning_rates", None)
         trainer.fit_loop.epoch_loop.__dict__.pop("_should_check_val_fx", None)
+        trainer.fit_loop.epoch_loop.__dict__.pop("reset", None)
         trainer.fit_loop.__dict__.pop("setup_data", None)
         trainer.__dict__.pop(_PROVIDER, None)
         self._trainer = None
@@ -131,6 +140,12 @@ class SampleProgress:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.scheduler_steps = [int(n) for n in state.get("scheduler_steps", [])]
+        self._continue_restored = False
+
+    def continue_restored_schedules(self) -> None:
+        """The schedulers were restored from a checkpoint that counted no B0-steps for them (one written without
+        SimiGrad): they continue from the state they were restored in, advancing with this fit's progress."""
+        self._continue_restored = True
 
     # ------------------------------------------------------------------------------ Lightning's loops
     def _setup_data(self) -> None:
@@ -154,6 +169,24 @@ class SampleProgress:
             for name, value in self._hidden.items():
                 setattr(trainer, name, value)
             self._hidden = {}
+
+    def _reset_epoch_loop(self) -> None:
+        trainer = self._trainer
+        assert trainer is not None
+        epoch_loop = trainer.fit_loop.epoch_loop
+        if self.active and epoch_loop.restarted_on_train_batch_end and epoch_loop.batch_progress.is_last_batch:
+            # The checkpoint was written after the epoch's last batch, and the fit loop has moved on to the next
+            # epoch. Lightning starts that epoch afresh when the batches it counted reach the loader's length;
+            # without a length, do what it does then. The data iterator Lightning made while loading the data
+            # belongs to the finished epoch (the fit loop had not moved on yet): make the new epoch's.
+            epoch_loop.batch_progress.reset_on_run()
+            epoch_loop.scheduler_progress.reset_on_run()
+            epoch_loop.automatic_optimization.optim_progress.reset_on_run()
+            epoch_loop.val_loop.batch_progress.total.reset()
+            epoch_loop.reset_restart_stage()
+            if trainer.fit_loop._data_fetcher is not None:
+                iter(trainer.fit_loop._data_fetcher)
+        self._originals["reset"]()
 
     def start_window(self, samples: int) -> None:
         """Before a window of ``samples`` trains: schedules to the B0-step in its middle (see ``step_in_window``)."""
@@ -181,6 +214,9 @@ class SampleProgress:
         for index, config in enumerate(configs):
             if config.interval != "step" or config.reduce_on_plateau:
                 continue
+            if self._continue_restored:
+                self.scheduler_steps[index] = done // config.frequency
+                continue
             # `frequency` counts B0-steps, as it counted steps of the fixed batch
             due = done // config.frequency - self.scheduler_steps[index]
             for _ in range(max(due, 0)):
@@ -188,6 +224,7 @@ class SampleProgress:
                 call._call_lightning_module_hook(trainer, "lr_scheduler_step", config.scheduler, None)
                 progress.increment_completed()
                 self.scheduler_steps[index] += 1
+        self._continue_restored = False
 
     def _should_check_val_fx(self, data_fetcher: Any) -> bool:
         trainer = self._trainer

@@ -17,11 +17,18 @@ Two bounds cut windows, both counted in samples: ``epoch_limit`` (Lightning's ``
 converted by the callback) ends the epoch, and the fit's remaining sample budget (``max_steps`` in steps
 of B0, or ``max_samples``) ends the window that reaches it. Either way the window is planned to exactly
 what is left, as an epoch tail is, so no window is ever cut short by the training loop.
+
+Because windows are planned ahead of training, the batch size a window was planned with is a decision
+taken one or more steps before the window trains. A checkpoint therefore records, beside the
+controller, the batch sizes of the windows already planned but not yet committed by an optimizer step
+(:attr:`EpochPlan.pending`); a resumed sampler plans those again first (:class:`ResumePoint`), so the
+resumed run trains the windows the uninterrupted run trained.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -30,25 +37,64 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Rando
 
 from lightning_simigrad.plan import Window, plan_window
 
-__all__ = ["AdaptiveBatchSampler", "EpochPlan", "WindowSchedule", "with_batch_sampler"]
+__all__ = ["AdaptiveBatchSampler", "EpochPlan", "ResumePoint", "WindowSchedule", "with_batch_sampler"]
 
 
 @dataclass
 class EpochPlan:
-    """The windows one epoch's iterator has planned so far, and the training side's cursor in them."""
+    """The windows one epoch's iterator has planned and training has not finished, with the training cursor.
+
+    ``windows[0]`` is the window being trained; windows are dropped once training moves past them, so the
+    plan holds only the few windows the DataLoader has drawn ahead (its memory does not grow with the epoch).
+    ``requests[i]`` is the batch size ``windows[i]`` was planned with.
+    """
 
     epoch: int = 0
-    windows: list[Window] = field(default_factory=list)
-    _window: int = 0
+    windows: deque[Window] = field(default_factory=deque)
+    requests: deque[int] = field(default_factory=deque)
     _micro: int = -1
+    _committed: bool = False  # an optimizer step has averaged windows[0]
+
+    def append(self, window: Window, requested: int) -> None:
+        self.windows.append(window)
+        self.requests.append(requested)
 
     def next_micro_batch(self) -> tuple[Window, int]:
         """Advance to the next micro-batch the trainer receives; returns its window and index in it."""
         self._micro += 1
-        if self._micro >= self.windows[self._window].num_micro_batches:
-            self._window += 1
+        if self._micro >= self.windows[0].num_micro_batches:
+            self.windows.popleft()
+            self.requests.popleft()
             self._micro = 0
-        return self.windows[self._window], self._micro
+            self._committed = False
+        return self.windows[0], self._micro
+
+    def commit(self) -> None:
+        """The optimizer step averaging the window being trained has run."""
+        self._committed = True
+
+    @property
+    def pending(self) -> list[int]:
+        """Batch sizes of the planned windows no optimizer step has averaged yet, in order."""
+        requests = list(self.requests)
+        started = self._micro >= 0
+        return requests[1:] if started and self._committed else requests
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a resumed run picks up an epoch.
+
+    Args:
+        epoch: the epoch the run was training.
+        samples_done: samples of that epoch's committed windows (the sampler skips them).
+        planned: batch sizes of the windows planned but not committed when the checkpoint was written;
+            they are planned again, in order, before the controller's current batch size is used.
+    """
+
+    epoch: int
+    samples_done: int
+    planned: tuple[int, ...] = ()
 
 
 @dataclass
@@ -77,12 +123,12 @@ class WindowSchedule:
     epoch_limit: int | None = None
     samples_left: Callable[[], float] = lambda: math.inf
     current: EpochPlan = field(default_factory=EpochPlan)
-    # (epoch, samples of completed windows) to skip when a run resumes in the middle of an epoch
-    resume_from: tuple[int, int] | None = None
+    # where a run resumed in the middle of an epoch picks it up
+    resume_from: ResumePoint | None = None
 
-    def plan(self, available: int, take_small_remainder: bool = True) -> Window:
+    def plan(self, available: int, take_small_remainder: bool = True, batch_size: int | None = None) -> Window:
         return plan_window(
-            self.batch_size,
+            self.batch_size if batch_size is None else batch_size,
             available,
             self.world_size,
             self.max_micro_batch_size,
@@ -169,8 +215,12 @@ class AdaptiveBatchSampler(BatchSampler):
         order = self.epoch_order(epoch)
         data_end = len(order) if schedule.epoch_limit is None else min(len(order), schedule.epoch_limit)
         position = 0
-        if schedule.resume_from is not None and schedule.resume_from[0] == epoch:
-            position = schedule.resume_from[1]
+        replay: deque[int] = deque()
+        resume = schedule.resume_from
+        if resume is not None and resume.epoch == epoch:
+            position = resume.samples_done
+            # below the smallest batch this world size can measure (a resume on more ranks): the smallest
+            replay = deque(max(size, schedule.world_size * schedule.min_micro_batches) for size in resume.planned)
         # the fit's sample budget cuts the window that reaches it to exactly what is left; windows after it
         # are planned as usual but never trained (the callback stops the fit), so the epoch does not
         # look finished to Lightning, as with any stop in the middle of an epoch
@@ -178,13 +228,15 @@ class AdaptiveBatchSampler(BatchSampler):
         plan = EpochPlan(epoch)
         schedule.current = plan
         while position < data_end:
-            if self.drop_last and data_end - position < schedule.batch_size:
+            requested = replay.popleft() if replay else schedule.batch_size
+            if self.drop_last and data_end - position < requested:
                 break  # the data's own tail, smaller than a window
             end = data_end if budget <= 0 else int(min(data_end, position + budget))
             # a remainder drop_last would drop is not folded into the window before it
-            window = schedule.plan(end - position, take_small_remainder=not (self.drop_last and end == data_end))
+            take_rest = not (self.drop_last and end == data_end)
+            window = schedule.plan(end - position, take_small_remainder=take_rest, batch_size=requested)
             budget -= window.total
-            plan.windows.append(window)
+            plan.append(window, requested)
             for j in range(window.num_micro_batches):
                 start = position + window.offset(j, self.rank)
                 size = window.sizes[j][self.rank]

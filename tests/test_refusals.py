@@ -26,6 +26,7 @@ from lightning_simigrad import SimiGrad
         (dict(target_similarity=0.8, lr_scaling_blend=2.0), "lr_scaling_blend"),
         (dict(target_similarity=0.8, controller="pid"), "controller"),
         (dict(target_similarity=0.8, warmup_steps=-3), "warmup_steps"),
+        (dict(target_similarity=0.8, history_size=-1), "history_size"),
     ],
 )
 def test_bad_arguments_raise_at_construction(kwargs, name):
