@@ -39,6 +39,7 @@ from lightning_simigrad.controller import BatchSizeController
 from lightning_simigrad.lr_scaling import LR_SCALINGS, StepLRScaler, lr_factor
 from lightning_simigrad.plan import Window
 from lightning_simigrad.progress import SampleProgress
+from lightning_simigrad.rng import all_ranks_rng_states, set_rng_state
 from lightning_simigrad.sample_counts import FitLength, epoch_limit, validation_interval
 from lightning_simigrad.sampler import AdaptiveBatchSampler, ResumePoint, WindowSchedule, with_batch_sampler
 from lightning_simigrad.statistics import HalfStats
@@ -195,6 +196,10 @@ class SimiGrad(Callback):
         self._ranks: Any = None  # a RankGroupMeasurement under DDP
         self._loaded: dict[str, Any] = {}  # the state of the checkpoint the fit resumes from
         self._resumed_without_state = False  # the checkpoint has no SimiGrad state: resume at B0
+        # this rank's random generator states from the checkpoint, restored where the uninterrupted run draws next:
+        # at the first training batch (mid-epoch) or before the new epoch's data iterator is made (its seed draw)
+        self._rng: dict[str, Any] | None = None
+        self._rng_at_first_batch = False
         self._source: _DataLoaderSource | None = None
         self._trainer: pl.Trainer | None = None
         self._active = False  # False while a tuner runs its trials: SimiGrad then stays out of the way
@@ -335,12 +340,21 @@ class SimiGrad(Callback):
             )
         self.schedule.resume_from = ResumePoint(epoch, done, tuple(loaded["planned"]))
         self._epoch_samples_done = done if mid_epoch else 0
+        states = loaded.get("rng")
+        if states is not None and len(states) == self._world_size:  # on other ranks, their streams start anew
+            self._rng, self._rng_at_first_batch = states[self._rank], mid_epoch
+            self._restore_rng_before_new_epoch()  # Lightning makes the data iterator right after this
+            self._progress.before_next_epoch = self._restore_rng_before_new_epoch
         if loaded["world_size"] != self._world_size:
             rank_zero_info(
                 f"SimiGrad: resuming a checkpoint written on {loaded['world_size']} rank(s) on {self._world_size}:"
                 f" batch size {self.schedule.batch_size}, B0 {self._b0}, {self.samples_seen} samples seen; the rest"
                 f" of epoch {epoch} is shared among the {self._world_size} rank(s)."
             )
+
+    def _restore_rng_before_new_epoch(self) -> None:
+        if self._rng is not None and not self._rng_at_first_batch:
+            set_rng_state(self._rng)
 
     # ------------------------------------------------------------------------------ progress in samples
     def _epoch_samples(self) -> int:
@@ -434,6 +448,10 @@ class SimiGrad(Callback):
         if not self._active:
             return
         assert self.schedule is not None
+        if self._rng is not None:
+            if self._rng_at_first_batch:
+                set_rng_state(self._rng)
+            self._rng = None
         window, micro = self.schedule.current.next_micro_batch()
         self._window, self._micro = window, micro
         if micro == 0:
@@ -570,6 +588,15 @@ class SimiGrad(Callback):
             "world_size": self._world_size,
             "progress": self._progress.state_dict(),
         }
+
+    @override
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        state = checkpoint.get("callbacks", {}).get(self.state_key)
+        if state:
+            # every rank's generators: a collective, on all ranks as Lightning's own saving is (it ends in a barrier)
+            state["rng"] = all_ranks_rng_states()
 
     @override
     def on_load_checkpoint(

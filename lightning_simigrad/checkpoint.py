@@ -11,7 +11,8 @@ Format history:
 - 1: the first versioned format. Besides the batch size, controller, counters and shuffling seed it records
   the batch sizes of the windows planned but not yet trained when it was written (``planned``), the world
   size and the epoch's sample count, so that a run resumed in the middle of an epoch trains exactly the
-  windows the uninterrupted run would have.
+  windows the uninterrupted run would have; and (optional) ``rng``, every rank's random generator states
+  (:mod:`lightning_simigrad.rng`).
 """
 
 from __future__ import annotations
@@ -110,6 +111,12 @@ def validate_state(state: Any, where: str) -> dict[str, Any]:
     _check_fields(state, _FIELDS, prefix, "")
     _check_fields(state["controller"], _CONTROLLER_FIELDS, prefix, "controller.")
     _check_fields(state["progress"], _PROGRESS_FIELDS, prefix, "progress.")
+    rng = state.get("rng")
+    if rng is not None and not (isinstance(rng, list) and all(isinstance(r, dict) and "torch" in r for r in rng)):
+        raise ValueError(
+            f"{prefix} has an `rng` that is not a list of random generator states: the file is damaged or was"
+            " edited. Delete the `rng` entry to resume without restoring them, or resume from another checkpoint."
+        )
     if state["epoch_samples_done"] > state["samples_seen"]:
         raise ValueError(
             f"{prefix} is inconsistent: `epoch_samples_done` ({state['epoch_samples_done']}) exceeds `samples_seen`"

@@ -63,6 +63,7 @@ class SampleProgress:
         # scheduler steps taken per step-interval scheduler config (by its index): checkpointed
         self.scheduler_steps: list[int] = []
         self._continue_restored = False  # align the counts to the first progress, stepping nothing
+        self.before_next_epoch: Callable[[], None] | None = None  # called before a resumed fit's new epoch begins
         self._last_step_span: tuple[int, int, int, int] | None = None  # (epoch done before/after, total before/after)
         self._trainer: pl.Trainer | None = None
         self._originals: dict[str, Any] = {}
@@ -185,6 +186,8 @@ class SampleProgress:
             epoch_loop.val_loop.batch_progress.total.reset()
             epoch_loop.reset_restart_stage()
             if trainer.fit_loop._data_fetcher is not None:
+                if self.before_next_epoch is not None:
+                    self.before_next_epoch()
                 iter(trainer.fit_loop._data_fetcher)
         self._originals["reset"]()
 

@@ -138,7 +138,7 @@ def main(argv: list[str]) -> None:
         num_sanity_val_steps=0,
         callbacks=[simigrad, checkpoint, Log()],
     )
-    model = Regressor()
+    model = Regressor(dropout=0.2)  # random draws in every step: each rank's generators must be restored
     trainer.fit(
         model,
         DataLoader(IndexedRegression(N), batch_size=B0 // max(trainer.world_size, 1), shuffle=True),
