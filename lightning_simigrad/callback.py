@@ -39,7 +39,7 @@ from lightning_simigrad.controller import BatchSizeController
 from lightning_simigrad.lr_scaling import LR_SCALINGS, StepLRScaler, lr_factor
 from lightning_simigrad.plan import Window
 from lightning_simigrad.progress import SampleProgress
-from lightning_simigrad.rng import all_ranks_rng_states, set_rng_state
+from lightning_simigrad.rng import all_ranks_rng_states, rng_state, set_rng_state
 from lightning_simigrad.sample_counts import FitLength, epoch_limit, validation_interval
 from lightning_simigrad.sampler import AdaptiveBatchSampler, ResumePoint, WindowSchedule, with_batch_sampler
 from lightning_simigrad.statistics import HalfStats
@@ -200,6 +200,7 @@ class SimiGrad(Callback):
         # at the first training batch (mid-epoch) or before the new epoch's data iterator is made (its seed draw)
         self._rng: dict[str, Any] | None = None
         self._rng_at_first_batch = False
+        self._window_rng: dict[str, Any] | None = None  # the states as the current window started
         self._source: _DataLoaderSource | None = None
         self._trainer: pl.Trainer | None = None
         self._active = False  # False while a tuner runs its trials: SimiGrad then stays out of the way
@@ -330,7 +331,8 @@ class SimiGrad(Callback):
         epoch, done = loaded["epoch"], loaded["epoch_samples_done"]
         # a checkpoint written at the epoch's last batch ends it: Lightning then trains the next epoch
         last_batch = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
-        mid_epoch = epoch == _epoch_being_trained(trainer) and done > 0 and not last_batch
+        same_epoch = epoch == _epoch_being_trained(trainer) and not last_batch
+        mid_epoch = same_epoch and done > 0
         if mid_epoch and loaded["epoch_length"] != self._data[0]:
             raise ValueError(
                 f"The checkpoint {trainer.ckpt_path} was written {done} samples into epoch {epoch} of a training set"
@@ -342,7 +344,7 @@ class SimiGrad(Callback):
         self._epoch_samples_done = done if mid_epoch else 0
         states = loaded.get("rng")
         if states is not None and len(states) == self._world_size:  # on other ranks, their streams start anew
-            self._rng, self._rng_at_first_batch = states[self._rank], mid_epoch
+            self._rng, self._rng_at_first_batch = states[self._rank], same_epoch
             self._restore_rng_before_new_epoch()  # Lightning makes the data iterator right after this
             self._progress.before_next_epoch = self._restore_rng_before_new_epoch
         if loaded["world_size"] != self._world_size:
@@ -455,6 +457,7 @@ class SimiGrad(Callback):
         window, micro = self.schedule.current.next_micro_batch()
         self._window, self._micro = window, micro
         if micro == 0:
+            self._window_rng = rng_state()  # a checkpoint written inside this window resumes from its start
             self._stats, self._fed = None, [0, 0]
             self._progress.start_window(window.total)
         if self._ranks is None and micro == window.half_split() and micro > 0:
@@ -595,8 +598,11 @@ class SimiGrad(Callback):
     ) -> None:
         state = checkpoint.get("callbacks", {}).get(self.state_key)
         if state:
-            # every rank's generators: a collective, on all ranks as Lightning's own saving is (it ends in a barrier)
-            state["rng"] = all_ranks_rng_states()
+            # the generators where the resumed run picks up: now, or as the window a resume trains again started
+            inside = self.schedule is not None and self.schedule.current.inside_window
+            local = self._window_rng if inside and self._window_rng is not None else rng_state()
+            # every rank's: a collective, on all ranks as Lightning's own saving is (it ends in a barrier)
+            state["rng"] = all_ranks_rng_states(local)
 
     @override
     def on_load_checkpoint(

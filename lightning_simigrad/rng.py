@@ -59,9 +59,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
         numpy.random.set_state((kind, numpy.array(keys, dtype=numpy.uint32), position, has_gauss, cached))
 
 
-def all_ranks_rng_states() -> list[dict[str, Any]]:
-    """Every rank's states, in rank order (a collective under ``torch.distributed``: call it on all ranks)."""
-    state = rng_state()
+def all_ranks_rng_states(state: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every rank's ``state``, in rank order (a collective under ``torch.distributed``: call it on all ranks)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return [state]
     states: list[Any] = [None] * dist.get_world_size()

@@ -74,6 +74,11 @@ class EpochPlan:
         self._committed = True
 
     @property
+    def inside_window(self) -> bool:
+        """Training has started a window that no optimizer step has averaged yet."""
+        return self._micro >= 0 and not self._committed
+
+    @property
     def pending(self) -> list[int]:
         """Batch sizes of the planned windows no optimizer step has averaged yet, in order."""
         requests = list(self.requests)

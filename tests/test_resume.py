@@ -38,15 +38,16 @@ class StepSamples(pl.Callback):
 
 
 class SaveInsideWindow(pl.Callback):
-    """Writes ``path`` after the first micro-batch of the window following optimizer step ``step``."""
+    """Writes ``path`` after the first micro-batch of the window that follows optimizer step ``step``."""
 
     def __init__(self, path, step: int) -> None:
-        self.path, self.step, self.saved = path, step, False
+        self.path, self.step, self.micro_batches_after = path, step, 0
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if trainer.global_step == self.step and not self.saved:
-            trainer.save_checkpoint(self.path)
-            self.saved = True
+        if trainer.global_step == self.step:
+            self.micro_batches_after += 1  # the first is the micro-batch that stepped
+            if self.micro_batches_after == 2:
+                trainer.save_checkpoint(self.path)
 
 
 def run(root, ckpt_path=None, workers=0, max_epochs=2, n=N, callbacks=(), scheduler=False):
@@ -91,8 +92,12 @@ def test_a_resumed_run_reproduces_the_uninterrupted_run_step_for_step(tmp_path, 
 def test_a_checkpoint_written_inside_a_window_retrains_that_window_from_its_start(tmp_path):
     inside = tmp_path / "inside.ckpt"
     whole, whole_steps, whole_model = run(tmp_path / "whole", callbacks=[SaveInsideWindow(inside, step=5)])
-    state = torch.load(inside, weights_only=False)["callbacks"]["SimiGrad"]
+    checkpoint = torch.load(inside, weights_only=False)
+    state = checkpoint["callbacks"]["SimiGrad"]
     assert state["steps"] == 5 and state["planned"][0] == whole.history[5]["batch_size"]
+    assert checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"]["completed"] == sum(
+        h["accumulation"] for h in whole.history[:5]
+    )  # written one micro-batch into window 5 (Lightning counts it completed only after its hooks)
     resumed, steps, model = run(tmp_path / "resumed", ckpt_path=inside)
     # the half-trained window's samples count once, in the step that commits them after the resume
     assert rows(resumed.history) == rows(whole.history[5:])

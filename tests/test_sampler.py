@@ -70,9 +70,11 @@ def test_the_plan_keeps_only_windows_training_has_not_finished():
     next(batches)  # the sampler starts a window of 20 in 2 micro-batches of 10
     plan = sampler.schedule.current
     assert plan.pending == [20]
+    assert not plan.inside_window  # planned, not started
     plan.next_micro_batch(), plan.next_micro_batch()  # training feeds both micro-batches
+    assert plan.inside_window
     plan.commit()  # ... and steps
-    assert plan.pending == []
+    assert plan.pending == [] and not plan.inside_window
     next(batches), next(batches)  # the DataLoader draws the next window ahead
     assert plan.pending == [20]
     window, micro = plan.next_micro_batch()
