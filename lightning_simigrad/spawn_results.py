@@ -9,10 +9,19 @@ does after any other fit.
 
 The launcher's two methods are wrapped once per process, at import (the children import this module
 when they unpickle the callbacks), and delegate to Lightning's own: other fields pass untouched.
+
+The states travel through a temporary file, as Lightning's weights do, and only its path through the
+launcher's result queue: the launching process reads that queue only after the children have exited, so a
+child putting more than the pipe's buffer (64 KiB on Linux; a ``history`` of some 600 steps) would block
+forever.
 """
 
 from __future__ import annotations
 
+import os
+import pickle
+import shutil
+import tempfile
 from typing import Any, Protocol, runtime_checkable
 
 import lightning.pytorch as pl
@@ -47,12 +56,20 @@ def install() -> None:
         extra = get_extra_results(self, trainer)
         states = [c.spawn_state() for c in _carriers(trainer)]
         if states:
-            extra[_KEY] = states
+            path = os.path.join(tempfile.mkdtemp(), "spawn_states.pkl")  # a folder of its own, as for the weights
+            with open(path, "wb") as file:
+                pickle.dump(states, file)
+            extra[_KEY] = path
         return extra
 
     def update_main_process_results_with_states(self: Any, trainer: pl.Trainer, extra: dict[str, Any]) -> None:
-        states = extra.pop(_KEY, [])
+        path = extra.pop(_KEY, None)
         update_main_process_results(self, trainer, extra)
+        if path is None:
+            return
+        with open(path, "rb") as file:
+            states = pickle.load(file)  # written just now by this fit's rank 0, from the same callbacks
+        shutil.rmtree(os.path.dirname(path), ignore_errors=True)
         # the launching process holds the same callbacks, in the same order, as the children copied
         for callback, state in zip(_carriers(trainer), states):
             callback.load_spawn_state(state)
