@@ -97,7 +97,7 @@ def main(argv: list[str]) -> None:
                 if step == args.kill_at and once(args.out, "kill"):
                     os.kill(os.getpid(), signal.SIGKILL)
                 if step == args.hang_at and once(args.out, "hang"):
-                    (args.out / "hanging").touch()
+                    (args.out / "hanging").write_text(str(os.getpid()))
                     time.sleep(3600)  # until the test kills this node
             if self.simigrad.local_samples:  # 0: a zero-weight padding sample, no sample of the step
                 self.fed += batch[0].tolist()

@@ -18,6 +18,7 @@ worker at interpreter exit) and inside ``timeout``; see docs in the README's "Fa
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -161,6 +162,29 @@ def wait_for(condition, what: str, *nodes: subprocess.Popen) -> None:
         time.sleep(0.5)
 
 
+def process_tree(root: int) -> list[int]:
+    """``root`` and all its descendants (torchrun starts its workers in sessions of their own)."""
+    children: dict[int, list[int]] = defaultdict(list)
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            pid, rest = stat.read_text().split(" (", 1)
+        except OSError:
+            continue  # exited meanwhile
+        children[int(rest.rsplit(") ", 1)[1].split()[1])].append(int(pid))
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo += children[pid]
+    return tree
+
+
+def kill_all(pids: list[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):  # exited meanwhile
+            os.kill(pid, signal.SIGKILL)
+
+
 def listening(port: int) -> bool:
     try:
         socket.create_connection(("127.0.0.1", port), timeout=1).close()
@@ -189,14 +213,15 @@ def test_a_node_killed_with_its_launcher_is_replaced_and_loses_nothing(tmp_path,
         wait_for(lambda: listening(port), "node 0 to host the rendezvous", *nodes)  # node 0 hosts the store
         nodes.append(node("node1"))
         wait_for((tmp_path / "hanging").exists, "rank 1 to reach window 10", *nodes)
-        os.killpg(nodes[1].pid, signal.SIGKILL)
+        node1 = process_tree(nodes[1].pid)  # timeout, torchrun and the worker: the whole node, at once
+        assert int((tmp_path / "hanging").read_text()) in node1
+        kill_all(node1)
         nodes[1].wait()
         nodes.append(node("node1-replacement"))
         codes = [nodes[0].wait(LAUNCH_TIMEOUT + 60), nodes[2].wait(LAUNCH_TIMEOUT + 60)]
     finally:
         for n in nodes:
-            if n.poll() is None:
-                os.killpg(n.pid, signal.SIGKILL)
+            kill_all(process_tree(n.pid) if n.poll() is None else [])
     logs = [(tmp_path / f"{name}.out").read_text()[-3000:] for name in ("node0", "node1-replacement")]
     assert codes == [0, 0], "\n".join(logs)
     assert_nothing_lost(tmp_path, uninterrupted, resumed_from=8)
