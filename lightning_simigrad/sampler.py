@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, Sampler, SequentialSampler
@@ -35,10 +36,19 @@ __all__ = ["AdaptiveBatchSampler", "EpochPlan", "WindowSchedule", "with_batch_sa
 
 @dataclass
 class EpochPlan:
-    """The windows one epoch's iterator has planned so far, and the training side's cursor in them."""
+    """The windows one epoch's iterator has planned so far, and the training side's cursor in them.
+
+    ``end`` is the sample position where the epoch's training stops (the data's end, a limit, or the fit's
+    budget) and ``planned`` how far windows are planned; once a window reaches ``end``, ``last_window``
+    is its index and ``ends_epoch`` tells whether that is the data's end rather than a stop.
+    """
 
     epoch: int = 0
     windows: list[Window] = field(default_factory=list)
+    end: int = 0
+    planned: int = 0
+    last_window: int | None = None
+    ends_epoch: bool = False
     _window: int = 0
     _micro: int = -1
 
@@ -49,6 +59,19 @@ class EpochPlan:
             self._window += 1
             self._micro = 0
         return self.windows[self._window], self._micro
+
+    def micro_batches_left(self) -> tuple[int, bool]:
+        """Micro-batches the epoch trains after the current one, and whether the count is exact.
+
+        Planned windows count exactly; samples not planned yet count at the last planned window's
+        micro-batch size.
+        """
+        last = self.last_window if self.last_window is not None else len(self.windows) - 1
+        left = sum(w.num_micro_batches for w in self.windows[self._window : last + 1]) - (self._micro + 1)
+        if self.last_window is None and self.end > self.planned:
+            window = self.windows[-1]
+            left += math.ceil((self.end - self.planned) * window.num_micro_batches / window.total)
+        return left, self.last_window is not None
 
 
 @dataclass
@@ -175,7 +198,7 @@ class AdaptiveBatchSampler(BatchSampler):
         # are planned as usual but never trained (the callback stops the fit), so the epoch does not
         # look finished to Lightning, as with any stop in the middle of an epoch
         budget = schedule.samples_left()
-        plan = EpochPlan(epoch)
+        plan = EpochPlan(epoch, end=int(min(data_end, position + max(budget, 0))), planned=position)
         schedule.current = plan
         while position < data_end:
             if self.drop_last and data_end - position < schedule.batch_size:
@@ -185,6 +208,9 @@ class AdaptiveBatchSampler(BatchSampler):
             window = schedule.plan(end - position, take_small_remainder=not (self.drop_last and end == data_end))
             budget -= window.total
             plan.windows.append(window)
+            plan.planned = position + window.total
+            if plan.last_window is None and plan.planned >= plan.end:
+                plan.last_window, plan.ends_epoch = len(plan.windows) - 1, plan.end == data_end
             for j in range(window.num_micro_batches):
                 start = position + window.offset(j, self.rank)
                 size = window.sizes[j][self.rank]
@@ -192,6 +218,8 @@ class AdaptiveBatchSampler(BatchSampler):
                 # the callback weighs by zero
                 yield order[start : start + size] if size else [order[position]]
             position += window.total
+        if plan.last_window is None:  # drop_last dropped the tail: the epoch ends with the last window
+            plan.last_window, plan.ends_epoch, plan.end = len(plan.windows) - 1, True, position
 
     def __len__(self) -> int:
         # The number of micro-batches in an epoch depends on decisions not taken yet. Lightning reads a
@@ -200,9 +228,20 @@ class AdaptiveBatchSampler(BatchSampler):
         raise TypeError("an adaptive batch sampler has no length: its epoch's micro-batch count is decided as it goes")
 
 
+class _ResumableDataLoader(DataLoader):
+    """A DataLoader that tells Lightning it resumes mid-epoch: its sampler restarts from the position
+    SimiGrad checkpoints (``WindowSchedule.resume_from``), so the loader itself has no state to save."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        pass
+
+
 def with_batch_sampler(loader: DataLoader, batch_sampler: BatchSampler) -> DataLoader:
     """A DataLoader like ``loader`` (workers, collation, pinning, ...) that draws from ``batch_sampler``."""
-    return DataLoader(
+    return _ResumableDataLoader(
         loader.dataset,
         batch_sampler=batch_sampler,
         num_workers=loader.num_workers,
