@@ -1,72 +1,46 @@
 """RankGroupMeasurement on real gloo process groups (W = 2, 3, 4), started on loopback.
 
-Each test starts W processes; the checks run inside them and any failure propagates as an exception
-of `torch.multiprocessing.start_processes`. A parent-side deadline kills a hung group instead of
-waiting. The processes come from a fork server that has imported this module (torch, lightning) once:
-spawning fresh interpreters would pay ~10 s of imports per process on a 2-core machine.
+Each test starts W processes (`distributed.run_ok`, under a deadline); the checks run inside them and a
+failure comes back as that rank's traceback.
 """
 
 import contextlib
 import copy
-import datetime
-import multiprocessing
-import os
-import socket
-import time
-from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from distributed import run_ok
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from lightning_simigrad import ddp_measurement
-from lightning_simigrad.ddp_measurement import RankGroupMeasurement
+from lightning_simigrad.ddp_measurement import MeasurementError, RankGroupMeasurement
 
-DEADLINE_S = 50.0
-START_METHOD = "forkserver"
-# The server imports these once (Python 3.11's fork server ignores the parent's sys.path, so this
-# test module itself is not preloadable: its children import it, which is cheap after these). A fork
-# server that someone else started first still works, only slower.
-multiprocessing.get_context(START_METHOD).set_forkserver_preload(["torch", "lightning_simigrad.ddp_measurement"])
 BUCKET_CAP_MB = 1e-5  # ~10 bytes: (after the rebuild) one bucket per parameter tensor
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class HostReads:
+    """Counts the Python calls that read a tensor to the host (a synchronisation on an accelerator)."""
 
+    NAMES = ("item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__")
 
-def _entry(rank: int, fn: Callable[..., None], world_size: int, port: int, args: tuple[Any, ...]) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    # A collective that never completes fails after this instead of hanging the child forever.
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=DEADLINE_S - 10)
-    )
-    try:
-        fn(rank, world_size, *args)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    def __enter__(self) -> "HostReads":
+        self.count = 0
+        self._saved = {name: getattr(torch.Tensor, name) for name in self.NAMES}
+        for name, method in self._saved.items():
+            setattr(torch.Tensor, name, self._counting(method))
+        return self
 
+    def _counting(self, method):
+        def counted(tensor, *args, **kwargs):
+            self.count += 1
+            return method(tensor, *args, **kwargs)
 
-def _spawn(fn: Callable[..., None], world_size: int, *args: Any) -> None:
-    context = mp.start_processes(
-        _entry, args=(fn, world_size, _free_port(), args), nprocs=world_size, join=False, start_method=START_METHOD
-    )
-    deadline = time.monotonic() + DEADLINE_S
-    while not context.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                if process.is_alive():
-                    process.kill()
-            pytest.fail(f"{fn.__name__} at W={world_size} did not finish within {DEADLINE_S} s (hang)")
+        return counted
+
+    def __exit__(self, *exc: object) -> None:
+        for name, method in self._saved.items():
+            setattr(torch.Tensor, name, method)
 
 
 def _mlp() -> torch.nn.Module:
@@ -133,27 +107,35 @@ def _check_measurement(rank: int, world_size: int) -> None:
         assert [measurement.group_of(r) for r in range(world_size)] == [
             0 if r < world_size // 2 else 1 for r in range(world_size)
         ]
-        # Only group A's ranks hold a subgroup, and only when A has two ranks or more (W >= 4).
-        assert (measurement._half_group is not None) == (world_size >= 4 and rank < world_size // 2)
+        # Everything runs on DDP's own group: no subgroup, no second communicator.
+        assert len(dist.distributed_c10d._world.pg_map) == groups_before
         optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
         for window in range(4):
             armed = window != 1  # window 1 is an unarmed sync: plain averaging, collect() -> None
             counts, micro = _window(rank, world_size, window)
             for model in (plain, hooked, local):
                 model.zero_grad(set_to_none=True)
-            _run_window(plain, micro, counts, world_size)
+            with HostReads() as plain_reads:
+                _run_window(plain, micro, counts, world_size)
             _run_window(local, micro, counts, world_size)
             if armed:
                 measurement.arm(counts)
-            _run_window(hooked, micro, counts, world_size)
+            with HostReads() as hooked_reads:
+                _run_window(hooked, micro, counts, world_size)
+            assert hooked_reads.count == plain_reads.count  # the hook reads nothing back to the host
 
             # Gradients are exactly plain DDP's (same reduction arithmetic), on every rank.
             for p_plain, p_hooked in zip(plain.parameters(), hooked.parameters(), strict=True):
                 assert torch.equal(p_plain.grad, p_hooked.grad), (window, gradient_as_bucket_view)
             if window >= 2:  # after DDP's bucket rebuild (first iteration) the tiny cap gives many
-                assert measurement._num_buckets >= 3, measurement._num_buckets
+                assert measurement._measured is not None and measurement._measured.num_buckets >= 3
 
-            stats = measurement.collect()
+            loss_scale = torch.tensor(2.0) if window == 3 else None  # a GradScaler's scale, as a tensor
+            with HostReads() as collect_reads:
+                stats = measurement.collect(loss_scale=loss_scale)
+            assert collect_reads.count == (1 if armed else 0)  # one host synchronisation per step
+            if stats is not None and loss_scale is not None:
+                stats = stats.scaled(2.0)  # the statistics came divided by the scale: 2^2, exactly
             reference = _reference(_flat_grad(local), counts, world_size)
             if not armed:
                 assert stats is None
@@ -198,7 +180,7 @@ def _check_measurement(rank: int, world_size: int) -> None:
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_matches_plain_ddp_and_reference(world_size: int) -> None:
-    _spawn(_check_measurement, world_size)
+    run_ok(_check_measurement, world_size)
 
 
 def _check_refusals(rank: int, world_size: int) -> None:
@@ -233,42 +215,14 @@ def _check_refusals(rank: int, world_size: int) -> None:
     with pytest.raises(ValueError, match="Both rank groups"):
         measurement.arm([0] * (world_size // 2) + [1] * (world_size - world_size // 2))
     measurement.arm([1] * world_size)
-    with pytest.raises(RuntimeError, match="before a synchronising backward"):
-        measurement.collect()  # armed, but no backward ran: consistent on all ranks, no collective
+    with pytest.raises(MeasurementError, match="before a synchronising backward"):
+        measurement.collect()  # armed, but no backward ran: every rank raises, after the all-gather
     assert measurement.collect() is None
     measurement.close()
 
 
 def test_refusals() -> None:
-    _spawn(_check_refusals, 2)
-
-
-def _failing_dots(*tensors: torch.Tensor) -> torch.Tensor:
-    raise ValueError("injected failure in the bucket callback")
-
-
-def _check_error_surfaces(rank: int, world_size: int) -> None:
-    # This child only: the computing ranks' products raise (at W = 2 already before the all-reduce).
-    ddp_measurement._bucket_dots = _failing_dots
-    ddp_measurement.square = _failing_dots
-    model = DDP(_mlp(), bucket_cap_mb=BUCKET_CAP_MB)
-    measurement = RankGroupMeasurement()
-    measurement.register(model)
-    counts, micro = _window(rank, world_size, 0)
-    measurement.arm(counts)
-    computing = rank < (2 if world_size == 2 else max(1, world_size // 2))  # see the module docstring
-    assert computing == (measurement._slot is not None)
-    if computing:
-        with pytest.raises(RuntimeError, match="measurement hook failed: ValueError: injected failure"):
-            _run_window(model, micro, counts, world_size)
-    else:
-        _run_window(model, micro, counts, world_size)  # completes: its collectives all matched
-    measurement.close()
-
-
-@pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_error_in_hook_raises_in_backward(world_size: int) -> None:
-    _spawn(_check_error_surfaces, world_size)
+    run_ok(_check_refusals, 2)
 
 
 def _check_low_precision(rank: int, world_size: int, dtype: torch.dtype) -> None:
@@ -297,7 +251,7 @@ def _check_low_precision(rank: int, world_size: int, dtype: torch.dtype) -> None
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_low_precision_gradients(dtype: torch.dtype) -> None:
-    _spawn(_check_low_precision, 2, dtype)
+    run_ok(_check_low_precision, 2, dtype)
 
 
 def _check_low_similarity(rank: int, world_size: int) -> None:
@@ -336,4 +290,4 @@ def _check_low_similarity(rank: int, world_size: int) -> None:
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_low_similarity(world_size: int) -> None:
-    _spawn(_check_low_similarity, world_size)
+    run_ok(_check_low_similarity, world_size)
