@@ -291,3 +291,19 @@ def _check_low_similarity(rank: int, world_size: int) -> None:
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_low_similarity(world_size: int) -> None:
     run_ok(_check_low_similarity, world_size)
+
+
+def test_the_loss_scale_is_read_with_the_rows_in_one_transfer() -> None:
+    from lightning_simigrad import _ddp_scalars
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    assert _ddp_scalars.scale_tensor(scaler) == 8.0  # before its first step the scaler has no tensor yet
+    scaler.scale(torch.ones(()))  # now it holds its scale as a tensor: read without a synchronisation
+    scale = _ddp_scalars.scale_tensor(scaler)
+    assert isinstance(scale, torch.Tensor) and scale.item() == 8.0
+    assert _ddp_scalars.scale_tensor(torch.amp.GradScaler("cpu", enabled=False)) is None
+    rows = torch.arange(12, dtype=torch.float64).view(2, 6)
+    with HostReads() as reads:
+        values, value = _ddp_scalars.fetch(rows, scale)
+    assert reads.count == 1 and value == 8.0 and values == rows.tolist()
+    assert _ddp_scalars.fetch(rows, None) == (rows.tolist(), 1.0)
