@@ -85,7 +85,7 @@ class PaperPattern:
         """Group B's gradient goes to rank 0 in full; rank 0 computes the cosine and broadcasts it."""
         flat = torch.cat([self.half_sums[i] for i in sorted(self.half_sums)])
         self.half_sums.clear()
-        scalars = torch.zeros(3, dtype=torch.float64)
+        scalars = torch.zeros(3, dtype=torch.float64, device=flat.device)
         if self.rank == self.leader_b:
             dist.send(flat, dst=0)
         elif self.rank == 0:

@@ -4,8 +4,9 @@ Each test starts W processes (`distributed.run_ok`, under a deadline); the check
 failure comes back as that rank's traceback.
 """
 
-import contextlib
 import copy
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,31 +17,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_simigrad.ddp_measurement import MeasurementError, RankGroupMeasurement
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from gpu_check import HostSyncs, flat_grad, reference_stats, run_window  # noqa: E402  (one copy of each)
+
 BUCKET_CAP_MB = 1e-5  # ~10 bytes: (after the rebuild) one bucket per parameter tensor
-
-
-class HostReads:
-    """Counts the Python calls that read a tensor to the host (a synchronisation on an accelerator)."""
-
-    NAMES = ("item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__")
-
-    def __enter__(self) -> "HostReads":
-        self.count = 0
-        self._saved = {name: getattr(torch.Tensor, name) for name in self.NAMES}
-        for name, method in self._saved.items():
-            setattr(torch.Tensor, name, self._counting(method))
-        return self
-
-    def _counting(self, method):
-        def counted(tensor, *args, **kwargs):
-            self.count += 1
-            return method(tensor, *args, **kwargs)
-
-        return counted
-
-    def __exit__(self, *exc: object) -> None:
-        for name, method in self._saved.items():
-            setattr(torch.Tensor, name, method)
 
 
 def _mlp() -> torch.nn.Module:
@@ -67,34 +47,6 @@ def _window(rank: int, world_size: int, seed: int) -> tuple[list[int], list[tupl
     return counts, micro
 
 
-def _run_window(model: torch.nn.Module, micro: list, counts: list[int], world_size: int) -> None:
-    """Accumulate one window: loss per micro = mean loss * (W * n_micro / N); no_sync but the last."""
-    total = sum(counts)
-    for i, (x, y) in enumerate(micro):
-        # DDP decides in forward whether the backward synchronises: forward inside no_sync too.
-        accumulate = isinstance(model, DDP) and i < len(micro) - 1
-        with model.no_sync() if accumulate else contextlib.nullcontext():  # type: ignore[operator]
-            loss = torch.nn.functional.mse_loss(model(x), y) * (world_size * x.shape[0] / total)
-            loss.backward()
-
-
-def _flat_grad(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-
-
-def _reference(local_grad: torch.Tensor, counts: list[int], world_size: int) -> tuple[float, float, float]:
-    """(dot, sq_a, sq_b) from every rank's local weighted gradient, gathered and combined in float64."""
-    gathered = [torch.empty_like(local_grad, dtype=torch.float64) for _ in range(world_size)]
-    dist.all_gather(gathered, local_grad.to(torch.float64))
-    size_a, total = world_size // 2, sum(counts)
-    n_a, n_b = sum(counts[:size_a]), sum(counts[size_a:])
-    g_a = total / (world_size * n_a) * torch.stack(gathered[:size_a]).sum(0)
-    g_b = total / (world_size * n_b) * torch.stack(gathered[size_a:]).sum(0)
-    g = total / world_size * torch.stack(gathered).sum(0) / total
-    torch.testing.assert_close((n_a * g_a + n_b * g_b) / total, g, rtol=1e-12, atol=1e-15)
-    return float(g_a @ g_b), float(g_a @ g_a), float(g_b @ g_b)
-
-
 def _check_measurement(rank: int, world_size: int) -> None:
     groups_before = len(dist.distributed_c10d._world.pg_map)
     for gradient_as_bucket_view in (False, True):
@@ -115,13 +67,13 @@ def _check_measurement(rank: int, world_size: int) -> None:
             counts, micro = _window(rank, world_size, window)
             for model in (plain, hooked, local):
                 model.zero_grad(set_to_none=True)
-            with HostReads() as plain_reads:
-                _run_window(plain, micro, counts, world_size)
-            _run_window(local, micro, counts, world_size)
+            with HostSyncs("cpu") as plain_reads:
+                run_window(plain, micro, counts, world_size)
+            run_window(local, micro, counts, world_size)
             if armed:
                 measurement.arm(counts)
-            with HostReads() as hooked_reads:
-                _run_window(hooked, micro, counts, world_size)
+            with HostSyncs("cpu") as hooked_reads:
+                run_window(hooked, micro, counts, world_size)
             assert hooked_reads.count == plain_reads.count  # the hook reads nothing back to the host
 
             # Gradients are exactly plain DDP's (same reduction arithmetic), on every rank.
@@ -131,12 +83,12 @@ def _check_measurement(rank: int, world_size: int) -> None:
                 assert measurement._measured is not None and measurement._measured.num_buckets >= 3
 
             loss_scale = torch.tensor(2.0) if window == 3 else None  # a GradScaler's scale, as a tensor
-            with HostReads() as collect_reads:
+            with HostSyncs("cpu") as collect_reads:
                 stats = measurement.collect(loss_scale=loss_scale)
             assert collect_reads.count == (1 if armed else 0)  # one host synchronisation per step
             if stats is not None and loss_scale is not None:
                 stats = stats.scaled(2.0)  # the statistics came divided by the scale: 2^2, exactly
-            reference = _reference(_flat_grad(local), counts, world_size)
+            reference = reference_stats(flat_grad(local), counts)
             if not armed:
                 assert stats is None
             else:
@@ -171,8 +123,8 @@ def _check_measurement(rank: int, world_size: int) -> None:
         counts, micro = _window(rank, world_size, 7)
         for model in (plain, hooked):
             model.zero_grad(set_to_none=True)
-            _run_window(model, micro, counts, world_size)
-        assert torch.equal(_flat_grad(plain), _flat_grad(hooked))
+            run_window(model, micro, counts, world_size)
+        assert torch.equal(flat_grad(plain), flat_grad(hooked))
         with pytest.raises(RuntimeError, match="closed"):
             measurement.arm(counts)
     assert len(dist.distributed_c10d._world.pg_map) == groups_before  # no stray subgroups
@@ -235,13 +187,13 @@ def _check_low_precision(rank: int, world_size: int, dtype: torch.dtype) -> None
     counts, micro = _window(rank, world_size, 0)
     micro = [(x.to(dtype), y.to(dtype)) for x, y in micro]
     for model in (plain, local):
-        _run_window(model, micro, counts, world_size)
+        run_window(model, micro, counts, world_size)
     measurement.arm(counts)
-    _run_window(hooked, micro, counts, world_size)
-    assert torch.equal(_flat_grad(plain), _flat_grad(hooked))
+    run_window(hooked, micro, counts, world_size)
+    assert torch.equal(flat_grad(plain), flat_grad(hooked))
     stats = measurement.collect()
     assert stats is not None and stats.is_finite
-    dot, sq_a, sq_b = _reference(_flat_grad(local), counts, world_size)
+    dot, sq_a, sq_b = reference_stats(flat_grad(local), counts)
     # The reference sums the halves in float64; DDP's (and so our) g is rounded to `dtype`.
     assert stats.similarity == pytest.approx(dot / (sq_a * sq_b) ** 0.5, abs=2e-2)
     assert stats.sq_a == pytest.approx(sq_a, rel=2e-2)
@@ -276,10 +228,10 @@ def _check_low_similarity(rank: int, world_size: int) -> None:
             ((model(x) * y).sum() * weight).backward()
         measurement.arm(counts)
         ((hooked(x) * y).sum() * weight).backward()
-        assert torch.equal(_flat_grad(plain), _flat_grad(hooked))
+        assert torch.equal(flat_grad(plain), flat_grad(hooked))
         stats = measurement.collect()
         assert stats is not None
-        dot, sq_a, sq_b = _reference(_flat_grad(local), counts, world_size)
+        dot, sq_a, sq_b = reference_stats(flat_grad(local), counts)
         scale = (sq_a * sq_b) ** 0.5
         assert abs(dot / scale) < 0.1, dot / scale  # the case this test is about
         assert abs(stats.dot - dot) <= 1e-6 * scale, (window, stats.dot, dot)
@@ -303,7 +255,7 @@ def test_the_loss_scale_is_read_with_the_rows_in_one_transfer() -> None:
     assert isinstance(scale, torch.Tensor) and scale.item() == 8.0
     assert _ddp_scalars.scale_tensor(torch.amp.GradScaler("cpu", enabled=False)) is None
     rows = torch.arange(12, dtype=torch.float64).view(2, 6)
-    with HostReads() as reads:
+    with HostSyncs("cpu") as reads:
         values, value = _ddp_scalars.fetch(rows, scale)
     assert reads.count == 1 and value == 8.0 and values == rows.tolist()
     assert _ddp_scalars.fetch(rows, None) == (rows.tolist(), 1.0)
