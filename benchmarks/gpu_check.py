@@ -483,22 +483,29 @@ def _ddp_worker(rank: int, world: int, port: int, device_type: str, quick: bool,
     timeout = datetime.timedelta(seconds=60 if quick else 120)
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world, timeout=timeout)
     results: dict[str, Any] = {}
+
+    def publish() -> None:  # after every phase, so that a later hang still leaves the earlier rows
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, results)
+        if rank == 0:
+            out.put(gathered)
+
     try:
         for w in range(2, world + 1):  # every rank creates every subgroup, in the same order
             group = dist.new_group(list(range(w)))
             if rank < w:
                 results[f"exact W={w}"] = _exactness(rank, w, group, device, 32, 8 if quick else 12, scribble=False)
             dist.barrier()
+        publish()
         _ddp_hook.callback_delay = (lambda: torch.cuda._sleep(20_000_000)) if cuda else (lambda: time.sleep(0.002))
         results["race"] = _exactness(rank, world, None, device, 64, 4 if quick else 20, scribble=True)
         _ddp_hook.callback_delay = None
         results["soak"] = _soak(rank, world, device, 12 if quick else 300)
+        publish()
         width, micro_batch = (64, 8) if quick else (4096, 256)
+        # last: the paper's pattern drives two communicators at once, which NCCL may deadlock on
         results["times"] = _ddp_times(rank, world, device, width, micro_batch, 3 if quick else 15)
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, results)
-        if rank == 0:
-            out.put(gathered)
+        publish()
     finally:
         dist.destroy_process_group()
 
@@ -516,10 +523,12 @@ def check_ddp(device: str, world: int, quick: bool, deadline_s: float = 420.0) -
     ]
     for process in processes:
         process.start()
-    try:
-        gathered = out.get(timeout=deadline_s)
-    except queue.Empty:
-        gathered = None
+    gathered, deadline = None, time.monotonic() + deadline_s
+    while time.monotonic() < deadline and (gathered is None or "times" not in gathered[0]):
+        with contextlib.suppress(queue.Empty):
+            gathered = out.get(timeout=1.0)
+        if not any(p.is_alive() for p in processes) and out.empty():
+            break
     for process in processes:
         process.join(timeout=30)
         if process.is_alive():
@@ -556,6 +565,8 @@ def _ddp_rows(gathered: list[dict[str, Any]], world: int) -> list[Row]:
                 f"{hook} / {collect} (goal 0 / 1)",
             )
         )
+    if "race" not in gathered[0]:
+        return [*rows, Row(f"DDP W={world}: race, soak and timing", "FAIL", "did not finish (a hang or an error)")]
     race = [r["race"] for r in gathered]
     ok = sum(p["mismatched"] for p in race) == 0 and max(p["error"] for p in race) < TOLERANCE
     rows.append(
@@ -575,6 +586,8 @@ def _ddp_rows(gathered: list[dict[str, Any]], world: int) -> list[Row]:
             f" {max(p['error'] for p in soak):.1e}; {soak[0]['seconds']:.0f} s",
         )
     )
+    if "times" not in gathered[0]:
+        return [*rows, Row(f"DDP W={world}: step time", "FAIL", "did not finish (a hang or an error)")]
     times = gathered[0]["times"]
     rows.append(
         Row(

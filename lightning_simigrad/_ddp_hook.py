@@ -144,10 +144,6 @@ class BucketHook:
         futures.append(dist.all_reduce(buffer, group=self.group, async_op=True).get_future())  # type: ignore[union-attr]
         return self._complete(futures, buffer, round, index, job)
 
-    def workspace_bytes(self) -> int:
-        """Bytes held between windows (CPU only; on accelerators workspaces live for one bucket)."""
-        return sum(t.numel() * t.element_size() for t in self._workspaces.values())
-
     def clear(self) -> None:
         self._workspaces = {}
 
