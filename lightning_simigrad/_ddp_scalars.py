@@ -30,7 +30,7 @@ def local_row(round: Round, computing: bool, device: torch.device, stream: Any) 
     ``stream`` is the measurement stream the bucket products were made on (None on CPU): the current
     stream waits for it, and the products are marked as read here before they are freed.
     """
-    if not round.started:
+    if not round.started or round.num_buckets == 0:  # no backward, or one that never reached its last bucket
         return failed_row(device, NO_BACKWARD)
     if round.failure is not None:
         return failed_row(device, round.failure[0])
