@@ -104,6 +104,7 @@ def _each_stage_fails(rank: int, world_size: int) -> list[tuple[str, float, bool
     return seen
 
 
+@pytest.mark.timeout(120)  # beside the group's own deadline
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_a_failure_on_one_rank_raises_the_same_error_on_every_rank(world_size: int) -> None:
     ranks = run_ok(_each_stage_fails, world_size, pg_timeout_s=SHORT_TIMEOUT_S)
@@ -136,6 +137,7 @@ def _one_rank_dies(rank: int, world_size: int, stage: str) -> tuple[str, float]:
 @pytest.mark.parametrize(
     ("world_size", "stage"), [(2, STAGES[1]), (3, STAGES[1]), (4, STAGES[1]), (3, STAGES[3])], ids=str
 )
+@pytest.mark.timeout(120)  # beside the group's own deadline
 def test_a_killed_rank_ends_the_others_within_seconds(world_size: int, stage: str) -> None:
     start = time.monotonic()
     outcomes = run_group(_one_rank_dies, world_size, stage, pg_timeout_s=LONG_TIMEOUT_S, deadline_s=60.0)

@@ -130,6 +130,7 @@ def _check_measurement(rank: int, world_size: int) -> None:
     assert len(dist.distributed_c10d._world.pg_map) == groups_before  # no stray subgroups
 
 
+@pytest.mark.timeout(120)  # beside the group's own deadline
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_matches_plain_ddp_and_reference(world_size: int) -> None:
     run_ok(_check_measurement, world_size)
@@ -173,6 +174,7 @@ def _check_refusals(rank: int, world_size: int) -> None:
     measurement.close()
 
 
+@pytest.mark.timeout(120)  # beside the group's own deadline
 def test_refusals() -> None:
     run_ok(_check_refusals, 2)
 
@@ -201,6 +203,7 @@ def _check_low_precision(rank: int, world_size: int, dtype: torch.dtype) -> None
     measurement.close()
 
 
+@pytest.mark.timeout(120)  # beside the group's own deadline
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_low_precision_gradients(dtype: torch.dtype) -> None:
     run_ok(_check_low_precision, 2, dtype)
@@ -240,6 +243,7 @@ def _check_low_similarity(rank: int, world_size: int) -> None:
     measurement.close()
 
 
+@pytest.mark.timeout(120)  # beside the group's own deadline
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_low_similarity(world_size: int) -> None:
     run_ok(_check_low_similarity, world_size)

@@ -12,6 +12,7 @@ sys.path.insert(0, str(BENCHMARKS))  # the children of the fork server get this 
 import gpu_check  # noqa: E402
 
 
+@pytest.mark.timeout(300)  # beside its own deadlines
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the check would run in full")
 def test_without_a_gpu_it_says_so_in_one_line_and_exits_0() -> None:
     done = subprocess.run(
@@ -21,6 +22,7 @@ def test_without_a_gpu_it_says_so_in_one_line_and_exits_0() -> None:
     assert done.stdout.count("\n") == 1 and "no CUDA GPU" in done.stdout, done.stdout
 
 
+@pytest.mark.timeout(300)  # beside its own deadlines
 def test_its_gpu_paths_run_on_cpu(capsys: pytest.CaptureFixture[str]) -> None:
     rows = gpu_check.run("cpu", quick=True, world=4)
     gpu_check.print_table(rows)
