@@ -454,10 +454,9 @@ class SimiGrad(Callback):
         fed = sum(self._fed)
         stats: HalfStats | None = None
         if self._ranks is not None:
-            stats = self._ranks.collect()
-            inv_scale = _inverse_loss_scale(trainer)
-            if stats is not None and inv_scale != 1.0:  # the comm hook saw the gradient still scaled
-                stats = stats.scaled(inv_scale)
+            # the comm hook saw the gradient still scaled: collect() reads the scaler's scale tensor with
+            # the statistics, in its one host transfer
+            stats = self._ranks.collect(loss_scale=getattr(trainer.precision_plugin, "scaler", None))
         else:
             stats, self._stats = self._stats, None
         if 0 < fed < window.total:
