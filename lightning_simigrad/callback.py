@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, SequentialSampler
 from typing_extensions import override
 
 from lightning_simigrad import spawn_results
+from lightning_simigrad._ddp_scalars import scale_tensor
 from lightning_simigrad.accumulation import VariableAccumulation
 from lightning_simigrad.compatibility import (
     AppliedLRMonitor,
@@ -638,8 +639,9 @@ def _epoch_being_trained(trainer: pl.Trainer) -> int:
     return int(trainer.fit_loop.epoch_progress.current.processed)  # type: ignore[attr-defined]
 
 
-def _inverse_loss_scale(trainer: pl.Trainer) -> float:
-    scaler = getattr(trainer.precision_plugin, "scaler", None)
-    if scaler is None or not scaler.is_enabled():
+def _inverse_loss_scale(trainer: pl.Trainer) -> float | torch.Tensor:
+    """``1 / loss scale`` of a GradScaler, left on the device: the measurement reads it with its products."""
+    scale = scale_tensor(getattr(trainer.precision_plugin, "scaler", None))
+    if scale is None:
         return 1.0
-    return 1.0 / float(scaler.get_scale())
+    return scale.double().reciprocal() if isinstance(scale, torch.Tensor) else 1.0 / scale
