@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, SequentialSampler
 from typing_extensions import override
 
 from lightning_simigrad import spawn_results
+from lightning_simigrad._ddp_scalars import scale_tensor
 from lightning_simigrad.accumulation import VariableAccumulation
 from lightning_simigrad.checkpoint import FORMAT_VERSION, validate_state
 from lightning_simigrad.compatibility import (
@@ -39,6 +40,7 @@ from lightning_simigrad.controller import BatchSizeController
 from lightning_simigrad.lr_scaling import LR_SCALINGS, StepLRScaler, lr_factor
 from lightning_simigrad.plan import Window
 from lightning_simigrad.progress import SampleProgress
+from lightning_simigrad.progress_bar import EpochProgress, postfix_fields
 from lightning_simigrad.rng import all_ranks_rng_states, rng_state, set_rng_state
 from lightning_simigrad.sample_counts import FitLength, epoch_limit, validation_interval
 from lightning_simigrad.sampler import AdaptiveBatchSampler, ResumePoint, WindowSchedule, with_batch_sampler
@@ -89,7 +91,7 @@ class SimiGrad(Callback):
             B0 follows the data trained (see :mod:`lightning_simigrad.progress`). ``False``: Lightning's
             own counting, per optimizer step.
         max_samples: end the fit after this many samples (the last step takes exactly what is left).
-        progress_bar: show the batch size in the progress bar.
+        progress_bar: show the batch size, similarity and noise scale in the progress bar's postfix.
         history_size: how many of the latest steps :attr:`history` keeps (None: every step of the fit,
             0: none). Loggers receive every step whatever it is.
 
@@ -190,6 +192,7 @@ class SimiGrad(Callback):
         self._accumulation = VariableAccumulation()
         self._lr = StepLRScaler()
         self._lr_monitors = AppliedLRMonitor(self._upcoming_lr_factor)
+        self._epoch_progress = EpochProgress(self._postfix)
         self._halves = WindowHalvesMeasurement()
         self._progress = SampleProgress(self._fit_length, self._counters, self._validation_interval)
         self._stats: HalfStats | None = None  # this window's, measured at its last backward on one process
@@ -211,6 +214,9 @@ class SimiGrad(Callback):
         self._micro = 0
         self._fed = [0, 0]  # samples whose backward ran in this window: first half, second half (all ranks)
         self._epoch_samples_done = 0
+        self._last_similarity = math.nan
+        self._batch_range = (2**63, 0)  # smallest and largest step of this process's fits
+        self._b0_steps = 0  # the samples trained so far, in steps of B0 (what the fixed batch takes)
         self._world_size = 1
         self._rank = 0
         self._seed = 0  # the shuffling seed, agreed on by all ranks in `setup`
@@ -418,6 +424,8 @@ class SimiGrad(Callback):
         self._accumulation.attach(trainer)
         self._lr.attach(trainer.optimizers[0])
         self._lr_monitors.attach(trainer)
+        if self.progress_bar:
+            self._epoch_progress.attach(trainer)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -431,11 +439,15 @@ class SimiGrad(Callback):
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.schedule is None:
+        if self.schedule is None or not self._active:
             return
         resume = self.schedule.resume_from
         resumed = resume is not None and resume.epoch == _epoch_being_trained(trainer)
         self._epoch_samples_done = resume.samples_done if resume is not None and resumed else 0
+        # the epoch's micro-batches if every window were planned at the batch size asked for now
+        samples = int(min(self._epoch_samples() - self._epoch_samples_done, max(self._samples_left(), 1)))
+        window = self.schedule.plan(max(1, min(self.schedule.batch_size, samples)))
+        self._epoch_progress.start_epoch(trainer, math.ceil(samples * window.num_micro_batches / window.total))
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -460,6 +472,10 @@ class SimiGrad(Callback):
             self._window_rng = rng_state()  # a checkpoint written inside this window resumes from its start
             self._stats, self._fed = None, [0, 0]
             self._progress.start_window(window.total)
+        left, exact = self.schedule.current.micro_batches_left()
+        self._epoch_progress.update(
+            trainer, left, epoch_ends_here=exact and left == 0 and self.schedule.current.ends_epoch
+        )
         if self._ranks is None and micro == window.half_split() and micro > 0:
             # one process: the halves are the window's two halves in time. The first half's gradient
             # is set aside before the second half's first backward (after any skipped micro-batch too)
@@ -507,10 +523,9 @@ class SimiGrad(Callback):
         fed = sum(self._fed)
         stats: HalfStats | None = None
         if self._ranks is not None:
-            stats = self._ranks.collect()
-            inv_scale = _inverse_loss_scale(trainer)
-            if stats is not None and inv_scale != 1.0:  # the comm hook saw the gradient still scaled
-                stats = stats.scaled(inv_scale)
+            # the comm hook saw the gradient still scaled: collect() reads the scaler's scale tensor with
+            # the statistics, in its one host transfer
+            stats = self._ranks.collect(loss_scale=getattr(trainer.precision_plugin, "scaler", None))
         else:
             stats, self._stats = self._stats, None
         if 0 < fed < window.total:
@@ -542,6 +557,13 @@ class SimiGrad(Callback):
             return 1.0
         return self._lr.factor if self._window is not None else self._lr_factor(schedule.batch_size)
 
+    def _postfix(self) -> dict[str, str] | None:
+        """SimiGrad's progress-bar entries: this step's batch, the last similarity measured, the noise scale."""
+        if self._window is None or self.controller is None or self._data is None:
+            return None
+        widest = max(self.controller.max_batch_size or 0, self._epoch_samples())
+        return postfix_fields(self._window.total, len(str(widest)), self._last_similarity, self.controller.noise_scale)
+
     def _record(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, averaged: int, stats: HalfStats | None, window: Window
     ) -> None:
@@ -563,9 +585,44 @@ class SimiGrad(Callback):
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(row, step=self.steps)
-        if self.progress_bar and trainer.progress_bar_callback is not None:  # Lightning's logging is not free
-            pl_module.log("batch_size", float(averaged), prog_bar=True, logger=False, on_step=True, on_epoch=False)
         self.steps += 1
+        if math.isfinite(row["simigrad/similarity"]):
+            self._last_similarity = row["simigrad/similarity"]
+        if averaged:
+            low, high = self._batch_range
+            self._batch_range = (min(low, averaged), max(high, averaged))
+        self._b0_steps = self._progress.steps_done()
+
+    def summary(self) -> dict[str, int]:
+        """The fit so far in numbers: optimizer steps, samples, batch-size range, and the steps B0 would take."""
+        low, high = self._batch_range
+        return {
+            "optimizer_steps": self.steps,
+            "samples": self.samples_seen,
+            "initial_batch_size": self._b0,
+            "min_batch_size": low if high else 0,
+            "max_batch_size": high,
+            "steps_at_initial_batch_size": self._b0_steps,
+        }
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self._active or not trainer.is_global_zero or not self.steps:
+            return
+        numbers = self.summary()
+        ratio = numbers["steps_at_initial_batch_size"] / max(1, numbers["optimizer_steps"])
+        rank_zero_info(
+            f"SimiGrad: {numbers['optimizer_steps']} optimizer steps over {numbers['samples']} samples, batch size"
+            f" {numbers['min_batch_size']}..{numbers['max_batch_size']} (B0 = {numbers['initial_batch_size']});"
+            f" a fixed batch of {numbers['initial_batch_size']} takes {numbers['steps_at_initial_batch_size']}"
+            f" steps ({ratio:.1f}x as many)"
+        )
+        for logger in trainer.loggers:
+            run: Any = getattr(logger, "experiment", None)
+            if hasattr(run, "summary") and hasattr(run.summary, "update"):  # a W&B run: its summary table
+                run.summary.update({f"simigrad/{k}": v for k, v in numbers.items()})
+            else:
+                logger.log_metrics({f"simigrad/summary/{k}": float(v) for k, v in numbers.items()}, step=self.steps)
 
     # ------------------------------------------------------------------------------ checkpoints
     @override
@@ -659,6 +716,7 @@ class SimiGrad(Callback):
         self._accumulation.detach()
         self._lr.detach()
         self._lr_monitors.detach()
+        self._epoch_progress.detach()
         self._progress.detach()
         if self._ranks is not None:
             self._ranks.close()
@@ -687,8 +745,9 @@ def _epoch_being_trained(trainer: pl.Trainer) -> int:
     return int(trainer.fit_loop.epoch_progress.current.processed)  # type: ignore[attr-defined]
 
 
-def _inverse_loss_scale(trainer: pl.Trainer) -> float:
-    scaler = getattr(trainer.precision_plugin, "scaler", None)
-    if scaler is None or not scaler.is_enabled():
+def _inverse_loss_scale(trainer: pl.Trainer) -> float | torch.Tensor:
+    """``1 / loss scale`` of a GradScaler, left on the device: the measurement reads it with its products."""
+    scale = scale_tensor(getattr(trainer.precision_plugin, "scaler", None))
+    if scale is None:
         return 1.0
-    return 1.0 / float(scaler.get_scale())
+    return scale.double().reciprocal() if isinstance(scale, torch.Tensor) else 1.0 / scale

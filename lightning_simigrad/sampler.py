@@ -27,10 +27,12 @@ resumed run trains the windows the uninterrupted run trained.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, Sampler, SequentialSampler
@@ -47,13 +49,28 @@ class EpochPlan:
     ``windows[0]`` is the window being trained; windows are dropped once training moves past them, so the
     plan holds only the few windows the DataLoader has drawn ahead (its memory does not grow with the epoch).
     ``requests[i]`` is the batch size ``windows[i]`` was planned with.
+
+    ``end`` is the sample position where the epoch's training stops (the data's end, a limit, or the fit's
+    budget) and ``planned`` how far windows are planned; once a window reaches ``end``, ``last_window``
+    is its index among all the epoch's windows and ``ends_epoch`` tells whether that is the data's end
+    rather than a stop.
     """
 
     epoch: int = 0
     windows: deque[Window] = field(default_factory=deque)
     requests: deque[int] = field(default_factory=deque)
+    end: int = 0
+    planned: int = 0
+    last_window: int | None = None
+    ends_epoch: bool = False
     _micro: int = -1
     _committed: bool = False  # an optimizer step has averaged windows[0]
+    _dropped: int = 0  # windows training has finished (their index is how many came before)
+
+    @property
+    def planned_windows(self) -> int:
+        """Windows planned in this epoch so far, trained or not."""
+        return self._dropped + len(self.windows)
 
     def append(self, window: Window, requested: int) -> None:
         self.windows.append(window)
@@ -65,6 +82,7 @@ class EpochPlan:
         if self._micro >= self.windows[0].num_micro_batches:
             self.windows.popleft()
             self.requests.popleft()
+            self._dropped += 1
             self._micro = 0
             self._committed = False
         return self.windows[0], self._micro
@@ -84,6 +102,19 @@ class EpochPlan:
         requests = list(self.requests)
         started = self._micro >= 0
         return requests[1:] if started and self._committed else requests
+
+    def micro_batches_left(self) -> tuple[int, bool]:
+        """Micro-batches the epoch trains after the current one, and whether the count is exact.
+
+        Planned windows count exactly; samples not planned yet count at the last planned window's
+        micro-batch size.
+        """
+        last = (self.last_window if self.last_window is not None else self.planned_windows - 1) - self._dropped
+        left = sum(w.num_micro_batches for w in itertools.islice(self.windows, 0, last + 1)) - (self._micro + 1)
+        if self.last_window is None and self.end > self.planned:
+            window = self.windows[-1]
+            left += math.ceil((self.end - self.planned) * window.num_micro_batches / window.total)
+        return left, self.last_window is not None
 
 
 @dataclass(frozen=True)
@@ -230,7 +261,7 @@ class AdaptiveBatchSampler(BatchSampler):
         # are planned as usual but never trained (the callback stops the fit), so the epoch does not
         # look finished to Lightning, as with any stop in the middle of an epoch
         budget = schedule.samples_left()
-        plan = EpochPlan(epoch)
+        plan = EpochPlan(epoch, end=int(min(data_end, position + max(budget, 0))), planned=position)
         schedule.current = plan
         while position < data_end:
             requested = replay.popleft() if replay else schedule.batch_size
@@ -242,6 +273,9 @@ class AdaptiveBatchSampler(BatchSampler):
             window = schedule.plan(end - position, take_small_remainder=take_rest, batch_size=requested)
             budget -= window.total
             plan.append(window, requested)
+            plan.planned = position + window.total
+            if plan.last_window is None and plan.planned >= plan.end:
+                plan.last_window, plan.ends_epoch = plan.planned_windows - 1, plan.end == data_end
             for j in range(window.num_micro_batches):
                 start = position + window.offset(j, self.rank)
                 size = window.sizes[j][self.rank]
@@ -249,6 +283,8 @@ class AdaptiveBatchSampler(BatchSampler):
                 # the callback weighs by zero
                 yield order[start : start + size] if size else [order[position]]
             position += window.total
+        if plan.last_window is None:  # drop_last dropped the tail: the epoch ends with the last window
+            plan.last_window, plan.ends_epoch, plan.end = plan.planned_windows - 1, True, position
 
     def __len__(self) -> int:
         # The number of micro-batches in an epoch depends on decisions not taken yet. Lightning reads a
@@ -257,9 +293,20 @@ class AdaptiveBatchSampler(BatchSampler):
         raise TypeError("an adaptive batch sampler has no length: its epoch's micro-batch count is decided as it goes")
 
 
+class _ResumableDataLoader(DataLoader):
+    """A DataLoader that tells Lightning it resumes mid-epoch: its sampler restarts from the position
+    SimiGrad checkpoints (``WindowSchedule.resume_from``), so the loader itself has no state to save."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        pass
+
+
 def with_batch_sampler(loader: DataLoader, batch_sampler: BatchSampler) -> DataLoader:
     """A DataLoader like ``loader`` (workers, collation, pinning, ...) that draws from ``batch_sampler``."""
-    return DataLoader(
+    return _ResumableDataLoader(
         loader.dataset,
         batch_sampler=batch_sampler,
         num_workers=loader.num_workers,

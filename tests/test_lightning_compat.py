@@ -11,6 +11,7 @@ import copy
 import csv
 import json
 import math
+from datetime import timedelta
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -309,7 +310,8 @@ class IndexedImagesOf:
         return F.cross_entropy(model(self.dataset.images[indices]), self.dataset.labels[indices])
 
 
-def test_a_stop_inside_a_window_leaves_the_gradient_whole():
+@pytest.mark.parametrize("stop", ["callback", "max_time"])
+def test_a_stop_inside_a_window_leaves_the_gradient_whole(stop):
     class StopMidWindow(pl.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             if batch_idx == 5:  # the 2nd micro-batch of the second window of 4
@@ -319,17 +321,23 @@ def test_a_stop_inside_a_window_leaves_the_gradient_whole():
     dataset = RandomDataset(32, 128)
     model = BoringModel()
     cb = SimiGrad(target_similarity=0.95, initial_batch_size=32, adjust=False)
-    t = trainer(callbacks=[cb, StopMidWindow()], max_epochs=3)
+    # max_time of a microsecond: Lightning's Timer stops the fit at the end of the first micro-batch
+    flags = (
+        dict(callbacks=[cb, StopMidWindow()])
+        if stop == "callback"
+        else dict(callbacks=[cb], max_time=timedelta(microseconds=1))
+    )
+    t = trainer(max_epochs=3, **flags)
     t.fit(model, DataLoader(dataset, batch_size=8, shuffle=True))
-    assert t.global_step == 1 and cb.samples_seen == 32
-    # the unstepped window's two micro-batches (of 4) are whole in p.grad: (1/32) * sum of their gradients
-    unstepped = [i for m in model.micro_batches[4:6] for i in m]
+    fed = 6 if stop == "callback" else 1
+    assert t.global_step == fed // 4 and cb.samples_seen == 32 * (fed // 4)
+    # the unstepped window's micro-batches are whole in p.grad: (1/32) * the sum of their gradients
+    unstepped = [i for m in model.micro_batches[4 * (fed // 4) : fed] for i in m]
     reference = copy.deepcopy(model)
     reference.zero_grad()
     (reference.loss(dataset.data[unstepped]) * len(unstepped) / 32).backward()
-    torch.testing.assert_close(
-        flat([p.grad for p in model.parameters()]), flat([p.grad for p in reference.parameters()])
-    )
+    grads, expected = flat([p.grad for p in model.parameters()]), flat([p.grad for p in reference.parameters()])
+    torch.testing.assert_close(grads, expected)
 
 
 # ---------------------------------------------------------------------------------------------- skipping

@@ -98,10 +98,11 @@ def test_installed_wheel_trains_from_an_empty_folder(installed: Installed, tmp_p
         (run_dir,) = (where / "outputs" / name).iterdir()  # Hydra's run folder, relative to where it ran
         with (run_dir / "simigrad_trace.csv").open() as f:
             rows = list(csv.DictReader(f))
-        assert [float(row["step"]) for row in rows] == [0, 1, 2, 3]  # debug=smoke's 4 optimizer steps
+        # debug=smoke: max_steps=4 steps of B0 = 8 samples, the last step cut to what is left of the 32
+        assert [float(row["step"]) for row in rows] == list(range(len(rows))) and 2 <= len(rows) <= 4
         sizes = [float(row["batch_size"]) for row in rows]
-        assert sizes[0] == 8 and all(8 <= size <= 32 for size in sizes)  # debug=smoke's B0 and bounds
-        assert float(rows[-1]["samples_seen"]) == sum(sizes)
+        assert sizes[0] == 8 and all(8 <= size <= 32 for size in sizes[:-1])  # debug=smoke's B0 and bounds
+        assert float(rows[-1]["samples_seen"]) == sum(sizes) == 32
         assert (run_dir / "simigrad_trace.png").stat().st_size > 1000
     assert list((where / "outputs" / "digits").glob("*/wandb/offline-run-*"))  # the default logger, offline
     assert list((where / "outputs" / "bert_tiny_pydoc").glob("*/tokenizer/vocab.txt"))
