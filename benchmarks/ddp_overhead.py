@@ -79,13 +79,21 @@ class PaperPattern:
         futures = [dist.all_reduce(buffer, async_op=True).get_future()]  # type: ignore[union-attr]
         if self.half is not None:
             futures.append(dist.all_reduce(half_sum, group=self.half, async_op=True).get_future())  # type: ignore[union-attr]
-        return torch.futures.collect_all(futures).then(lambda _: buffer)
+
+        def finish(done: torch.futures.Future[list[torch.futures.Future[Any]]]) -> torch.Tensor:
+            # collect_all's future carries no CUDA events: wait on each all-reduce, so that (on a GPU) the
+            # current stream is ordered after them before DDP reads the bucket
+            for future in done.value():
+                future.wait()
+            return buffer
+
+        return torch.futures.collect_all(futures).then(finish)
 
     def after_backward(self) -> float:
         """Group B's gradient goes to rank 0 in full; rank 0 computes the cosine and broadcasts it."""
         flat = torch.cat([self.half_sums[i] for i in sorted(self.half_sums)])
         self.half_sums.clear()
-        scalars = torch.zeros(3, dtype=torch.float64)
+        scalars = torch.zeros(3, dtype=torch.float64, device=flat.device)
         if self.rank == self.leader_b:
             dist.send(flat, dst=0)
         elif self.rank == 0:

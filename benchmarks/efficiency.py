@@ -6,7 +6,7 @@
         --variant "linear:simigrad.lr_scaling=linear" --out outputs/efficiency_linear   # a reduced study
 
 For each task (a recipe of ``conf/experiment``) every run trains on the same number of samples
-(``train_samples``), from the same initial weights for a given seed:
+(``simigrad.max_samples``), from the same initial weights for a given seed:
 
 - **static**: a fixed batch B over powers of two from the task's smallest batch B0, each with learning
   rates ``lr0 sqrt(B / B0) x {1/2, 1, 2}`` (``--lr-grid``), where ``lr0`` is the recipe's rate at B0. The
@@ -22,10 +22,10 @@ resumes where it stopped and skips the runs already there), ``efficiency_<task>.
 the static frontier with error bars, SimiGrad as points, and SimiGrad's batch-size traces), the printed
 table as ``summary.md``, and each run's folder with its SimiGrad trace.
 
-Schedules: a task whose budget is whole epochs (digits) runs its recipe's epoch-based schedule over them;
-step-interval schedules do not yet follow samples under SimiGrad (the issue on sample-based schedules
-changes that), so ``--schedule linear`` (linear decay to 0 over the budget, counted in steps of each run's
-starting batch) is right for static runs today and for SimiGrad runs once that lands.
+Budgets end each run exactly (``simigrad.max_samples``). Schedules: a task whose budget is whole epochs (digits)
+runs its recipe's epoch-based schedule over them; ``--schedule linear`` decays the LR linearly to 0 over the
+budget with ``scheduler=warmup_linear``, which SimiGrad advances by samples (B / B0 per step), so a static
+run and an adaptive one follow the same schedule per sample.
 """
 
 from __future__ import annotations
@@ -190,25 +190,25 @@ def _target_of(overrides: list[str], default: float) -> float:
 # ------------------------------------------------------------------------------------------- running
 def with_recipe_defaults(task: Task, extra: list[str]) -> Task:
     """The task with B0 and its learning rate as the recipe (and any overrides) set them."""
-    from hydra import compose, initialize_config_dir
+    from hydra import compose, initialize_config_module
 
-    from recipes.train import config_dir
+    from lightning_simigrad_recipes.train import CONFIG_MODULE
 
-    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+    with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
         cfg = compose(config_name="train", overrides=[f"experiment={task.experiment}", *task.overrides, *extra])
     return replace(task, smallest_batch=int(cfg.simigrad.initial_batch_size), lr0=float(cfg.optimizer.lr))
 
 
 def compose_run(task: Task, run: Run, out: Path, extra: list[str], schedule: str) -> Any:
-    from hydra import compose, initialize_config_dir
+    from hydra import compose, initialize_config_module
 
-    from recipes.train import config_dir
+    from lightning_simigrad_recipes.train import CONFIG_MODULE
 
     overrides = [
         f"experiment={task.experiment}",
         *COMMON,
         f"seed={run.seed}",
-        f"train_samples={run.budget}",
+        f"simigrad.max_samples={run.budget}",
         # the sample budget ends every run; whole epochs of it also set max_epochs for epoch-based schedules
         f"trainer.max_epochs={math.ceil(run.budget / task.epoch_samples) if task.epoch_samples else -1}",
         f"output_dir={out / 'runs' / run.task / run.run_id}",
@@ -216,18 +216,14 @@ def compose_run(task: Task, run: Run, out: Path, extra: list[str], schedule: str
         *run.overrides,
         *extra,
     ]
-    if schedule == "linear":  # in steps of the run's starting batch: what a sample-following schedule counts
-        overrides += [
-            "scheduler=linear",
-            f"scheduler.total_iters={math.ceil(run.budget / run.batch)}",
-            "model.scheduler_interval=step",
-        ]
-    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+    if schedule == "linear":  # over the budget's B0-steps, advanced by samples (trainer.estimated_stepping_batches)
+        overrides += ["scheduler=warmup_linear", "scheduler.warmup_fraction=0", "model.scheduler_interval=step"]
+    with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
         return compose(config_name="train", overrides=overrides)
 
 
 def run_one(task: Task, run: Run, out: Path, extra: list[str], schedule: str) -> dict[str, Any]:
-    from recipes.train import train
+    from lightning_simigrad_recipes.train import train
 
     cfg = compose_run(task, run, out, extra, schedule)
     start, cpu = time.perf_counter(), time.process_time()

@@ -157,11 +157,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="outputs/noise_scale_diagnosis", help="run directory")
     args, overrides = parser.parse_known_args(argv)
 
-    from hydra import compose, initialize_config_dir
+    from hydra import compose, initialize_config_module
 
-    from recipes.train import config_dir, train
+    from lightning_simigrad_recipes.train import CONFIG_MODULE, train
 
-    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+    with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
         cfg = compose(
             config_name="train",
             overrides=["logger=none", "trainer.enable_progress_bar=false", f"output_dir={args.out}", *overrides],

@@ -1,5 +1,7 @@
 """Adaptive batch size training for PyTorch Lightning, after SimiGrad (Qin et al., NeurIPS 2021)."""
 
+import importlib.metadata
+
 from lightning_simigrad.callback import METRICS, SimiGrad
 from lightning_simigrad.controller import BatchSizeController
 from lightning_simigrad.ddp_measurement import RankGroupMeasurement
@@ -8,7 +10,10 @@ from lightning_simigrad.plan import Window, plan_window
 from lightning_simigrad.sampler import AdaptiveBatchSampler, WindowSchedule
 from lightning_simigrad.statistics import HalfStats, equilibrium_batch_size, expected_similarity
 
-__version__ = "0.1.0"
+try:
+    __version__ = importlib.metadata.version("lightning-simigrad")
+except importlib.metadata.PackageNotFoundError:  # a source tree on sys.path, never installed: no metadata
+    __version__ = "0+unknown"
 
 __all__ = [
     "METRICS",

@@ -8,11 +8,13 @@ fit, :class:`VariableAccumulation` replaces those two decisions on the loop *ins
 read from the current window plan. Everything that follows from them in Lightning -- DDP's
 ``no_sync``, ``global_step``, LR-scheduler stepping, logging cadence -- then follows the windows.
 
-The loss of each micro-batch is divided by ``trainer.accumulate_grad_batches``; this module sets it,
-per micro-batch, to ``N / (W * n)`` for a micro-batch of ``n`` samples in a window of ``N`` samples on
-``W`` ranks. The user's mean loss then weighs every sample of the window by exactly ``1 / N`` (after
-DDP's division by ``W``), whatever the micro-batch sizes. A rank feeding a zero-weight padding sample
-gets ``inf`` (the loss divided by it is 0).
+Lightning divides each micro-batch's loss by ``trainer.accumulate_grad_batches``. Here the divisor is
+``N / (W * n)`` for a micro-batch of ``n`` samples in a window of ``N`` samples on ``W`` ranks, so the
+user's mean loss weighs every sample of the window by exactly ``1 / N`` (after DDP's division by
+``W``), whatever the micro-batch sizes; a rank feeding a zero-weight padding sample divides by ``inf``.
+That divisor is applied where Lightning builds the closure's result (its ``output_result_cls``), and
+``trainer.accumulate_grad_batches`` reads what users expect of it: the current window's number of
+micro-batches, an int.
 
 The replaced methods are private; ``attach`` checks that they exist and the package pins Lightning's
 minor version.
@@ -24,9 +26,20 @@ from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.loops.optimization.automatic import ClosureResult
 from torch.optim import Optimizer
 
-__all__ = ["VariableAccumulation"]
+__all__ = ["VariableAccumulation", "require_lightning_internals"]
+
+
+def require_lightning_internals(*members: tuple[object, str]) -> None:
+    """Raise a clear error if this Lightning lacks a private member (``(owner, name)``) SimiGrad replaces."""
+    for owner, name in members:
+        if not callable(getattr(owner, name, None)):
+            raise RuntimeError(
+                f"SimiGrad needs `{type(owner).__name__}.{name}` of Lightning 2.6, which this Lightning"
+                f" ({pl.__version__}) lacks. Install `lightning>=2.6,<2.7`."
+            )
 
 
 class VariableAccumulation:
@@ -35,27 +48,25 @@ class VariableAccumulation:
     def __init__(self) -> None:
         self.window_start = True
         self.window_end = True
+        self.loss_divisor = 1.0
         self._trainer: pl.Trainer | None = None
         self._user_accumulate_grad_batches: Any = 1
 
     def attach(self, trainer: pl.Trainer) -> None:
         epoch_loop = trainer.fit_loop.epoch_loop
         automatic = epoch_loop.automatic_optimization
-        for owner, name in (
+        require_lightning_internals(
             (epoch_loop, "_accumulated_batches_reached"),
             (automatic, "_make_zero_grad_fn"),
             (automatic, "_on_before_zero_grad"),
             (automatic, "_optimizer_zero_grad"),
-        ):
-            if not callable(getattr(owner, name, None)):
-                raise RuntimeError(
-                    f"SimiGrad needs `{type(owner).__name__}.{name}` of Lightning 2.6, which this Lightning"
-                    f" ({pl.__version__}) lacks. Install `lightning>=2.6,<2.7`."
-                )
+            (automatic, "output_result_cls"),
+        )
         self._trainer = trainer
         self._user_accumulate_grad_batches = trainer.accumulate_grad_batches
         epoch_loop._accumulated_batches_reached = lambda: self.window_end  # type: ignore[method-assign]
         automatic._make_zero_grad_fn = self._make_zero_grad_fn  # type: ignore[method-assign]
+        automatic.output_result_cls = _WindowWeightedResult(self)  # type: ignore[assignment]
 
     def detach(self) -> None:
         trainer = self._trainer
@@ -65,16 +76,18 @@ class VariableAccumulation:
         # deleting the instance attributes brings back the class's methods
         epoch_loop.__dict__.pop("_accumulated_batches_reached", None)
         epoch_loop.automatic_optimization.__dict__.pop("_make_zero_grad_fn", None)
+        epoch_loop.automatic_optimization.__dict__.pop("output_result_cls", None)
         trainer.accumulate_grad_batches = self._user_accumulate_grad_batches
         self._trainer = None
 
-    def set_micro_batch(self, start: bool, end: bool, loss_divisor: float) -> None:
-        """Declare the micro-batch about to run: first/last of its window, and its loss divisor."""
+    def set_micro_batch(self, start: bool, end: bool, loss_divisor: float, window_length: int) -> None:
+        """Declare the micro-batch about to run: first/last of its window, its loss divisor and the
+        window's number of micro-batches."""
         assert self._trainer is not None
         self.window_start = start
         self.window_end = end
-        # an integral divisor stays an int, so code that reads the attribute sees what it expects
-        self._trainer.accumulate_grad_batches = int(loss_divisor) if float(loss_divisor).is_integer() else loss_divisor  # type: ignore[assignment]
+        self.loss_divisor = loss_divisor
+        self._trainer.accumulate_grad_batches = window_length
 
     def _make_zero_grad_fn(self, batch_idx: int, optimizer: Optimizer) -> Callable[[], None] | None:
         assert self._trainer is not None
@@ -87,3 +100,13 @@ class VariableAccumulation:
             automatic._optimizer_zero_grad(batch_idx, optimizer)
 
         return zero_grad_fn
+
+
+class _WindowWeightedResult:
+    """Stands in for Lightning's ``ClosureResult`` class: builds it with the window's loss divisor."""
+
+    def __init__(self, accumulation: VariableAccumulation) -> None:
+        self._accumulation = accumulation
+
+    def from_training_step_output(self, training_step_output: Any, normalize: int = 1) -> ClosureResult:
+        return ClosureResult.from_training_step_output(training_step_output, self._accumulation.loss_divisor)  # type: ignore[arg-type]

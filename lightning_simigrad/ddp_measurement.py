@@ -22,54 +22,84 @@ Write :math:`u = \frac1W \sum_{r \in A} h_r` (group A's share of :math:`g`) and 
 
 so :math:`|g_A|^2`, :math:`|g_B|^2` and :math:`g_A \cdot g_B` follow from the three dot products
 :math:`u \cdot u`, :math:`u \cdot o`, :math:`o \cdot o`. They are sums over DDP's buckets, so each
-bucket contributes a partial sum as soon as its all-reduce is done, accumulated in float64 whatever
-the gradient dtype.
+bucket contributes a partial sum as soon as its collectives are done, accumulated in float64.
 
 Why it is cheap
 ---------------
-Write :math:`b_r = h_r/W` for rank :math:`r`'s pre-divided bucket (what it contributes to :math:`g`).
-Every rank computes something, on a slice of each bucket where it can, and the products are carried
-by the all-gather of :meth:`RankGroupMeasurement.collect`, which happens anyway:
+Write :math:`b_r = h_r/W` for rank :math:`r`'s pre-divided bucket (what it contributes to :math:`g`):
 
-* ``W = 2``: no copy, no extra traffic. Before launching the all-reduce each rank computes the local
-  square of its own bucket (:math:`u \cdot u = |b_0|^2` on rank 0, :math:`o \cdot o = |b_1|^2` on
-  rank 1; it only reads the bucket). After the all-reduce each computes :math:`|g|^2` over half of
-  the bucket. Then :math:`u \cdot o = (|g|^2 - u \cdot u - o \cdot o)/2`; each term is accumulated in
-  float64 from float32 chunk products, so the difference keeps float32 accuracy relative to
-  :math:`|u|\,|o|` even at similarity 0 (the error is a few ulps of :math:`|u|^2 + |o|^2`).
-* ``W = 3``: group A is rank 0 alone, :math:`u = b_0`; rank 0 copies its bucket before the
-  all-reduce and computes :math:`[u \cdot u, u \cdot g, g \cdot g]` over the whole of it. No extra
-  traffic. (A clone-free variant would need the cross product :math:`b_1 \cdot b_2` of group B, that
-  is, an exchange between ranks 1 and 2: more than the copy costs.)
-* ``W >= 4``: group A's ranks (:math:`k = \lfloor W/2 \rfloor`) copy their bucket and reduce-scatter
-  the copy within group A (an ``all_to_all`` of slices, summed locally: gloo's reduce-scatter has no
-  future), beside DDP's world all-reduce, so each of them ends with its slice of :math:`u` and
-  computes the products on that slice. That is half the bytes of a half-group all-reduce, once per
-  measured window; group B's ranks do nothing extra.
+* ``W = 2``: no copy, no extra traffic. Before the all-reduce each rank squares its own bucket
+  (:math:`u \cdot u = |b_0|^2` on rank 0, :math:`o \cdot o = |b_1|^2` on rank 1); after it, each
+  squares :math:`g` over half of the bucket. Then :math:`u \cdot o = (|g|^2 - u \cdot u - o \cdot o)/2`,
+  accurate to a few ulps of :math:`|u|^2 + |o|^2` even at similarity 0.
+* ``W = 3``: rank 0 (all of group A) copies its bucket before the all-reduce and takes
+  :math:`[u \cdot u, u \cdot g, g \cdot g]` over all of it. No extra traffic.
+* ``W >= 4``: group A's :math:`k = \lfloor W/2 \rfloor` ranks exchange slices of their buckets (an
+  all-to-all within A, over DDP's own process group, before the world all-reduce), so each ends with its
+  slice of :math:`u` and takes the products there: half the bytes of a half-group all-reduce, once
+  per measured window. Group B's ranks take part with empty slices and compute nothing.
 
-On CPU the copies go into buffers kept for the next measured window (fresh allocations of this size
-are returned to the OS and page-faulted in again, which cost more than the copy); on accelerators the
-caching allocator already reuses memory. :meth:`RankGroupMeasurement.collect` then all-gathers five
-float64 scalars per rank, and every rank sums them in rank order, so every rank gets bitwise the same
-:class:`~lightning_simigrad.statistics.HalfStats` (and so takes the same batch-size decision). The
-gradients DDP writes are those of its world all-reduce, computed exactly as its built-in reducer does
-(multiply by :math:`1/W`, then sum), so they equal plain DDP's.
+:meth:`RankGroupMeasurement.collect` then all-gathers six float64 numbers per rank, and every rank
+sums them in rank order, so every rank gets bitwise the same :class:`~lightning_simigrad.statistics.HalfStats`
+and takes the same batch-size decision. The gradients are those of DDP's world all-reduce, computed
+exactly as its built-in reducer does (multiply by :math:`1/W`, then sum).
 
-Communication per measured window, besides DDP's own world all-reduce of the gradient (:math:`P`
-elements):
-
-========  ===========================================  ==============================
-W         extra gradient traffic                       extra scalars (``collect``)
-========  ===========================================  ==============================
-2         none                                         all-gather of 5 float64 / rank
-3         none                                         all-gather of 5 float64 / rank
->= 4      reduce-scatter of :math:`P` within group A   all-gather of 5 float64 / rank
-========  ===========================================  ==============================
+========  =============================================  ==============================
+W         extra gradient traffic per measured window      extra scalars (``collect``)
+========  =============================================  ==============================
+2         none                                            all-gather of 6 float64 / rank
+3         none                                            all-gather of 6 float64 / rank
+>= 4      all-to-all of :math:`P` within group A           all-gather of 6 float64 / rank
+========  =============================================  ==============================
 
 Unarmed synchronisations (windows that are not measured) do the plain all-reduce-average.
+
+Streams (CUDA)
+--------------
+Every tensor has one stream that makes it and the streams that read it are ordered after it; a tensor
+read on another stream is marked with ``record_stream`` before it can be freed.
+
+* **hook stream** (the stream current in the hook: the backward's): the pre-division, the local square
+  (W = 2) or the bucket copy (W = 3), the receive buffer (W >= 4). The collectives are issued from here,
+  so NCCL's stream waits for them.
+* **NCCL stream** (the process group's, one per device): the all-to-all, then the all-reduce, of each
+  bucket in issue order (one communicator only, so no two communicators ever compete for the GPU).
+* **measurement stream** (one per device, owned by this object): each bucket's products. It waits on the
+  bucket's collectives (their futures' events); the hook stream's tensors it reads are
+  ``record_stream``-ed to it. The future handed to DDP is completed on it, so DDP's copy of the gradient
+  waits for the products that read the bucket -- and the backward itself never waits for a collective.
+* **collect's stream** (the current stream of ``collect()``): waits for the measurement stream, sums
+  the bucket products (``record_stream``-ed to it), all-gathers the rows (NCCL waits for it) and reads
+  them, with the GradScaler's scale, to the host in one transfer: the measurement's one host
+  synchronisation per optimizer step. The hook and its callbacks never synchronise with the host.
+
+Failures
+--------
+Every rank issues the same collectives in the same order whatever fails locally. An error while preparing
+a bucket, in a bucket's arithmetic, or in ``collect()`` before its all-gather is recorded, the rank's
+products become NaN, and the failure travels in the all-gathered rows: every rank then raises the same
+:class:`MeasurementError` from ``collect()``, before the optimizer steps (the failing rank chains the
+original error). A bucket whose preparation failed still takes part in the all-to-all, with the bucket
+itself standing in for the buffers it could not make. A collective that fails (a dead rank, a timeout)
+fails the backward of every rank that waits on it; with NCCL that takes the process group's timeout,
+so set ``timeout=`` on the process group (Lightning: ``DDPStrategy(timeout=...)``).
+
+Memory
+------
+Extra memory per bucket of :math:`P_b` elements, from the hook until that bucket's products are taken:
+
+* ``W = 2``: none beyond the chunk scratch below.
+* ``W = 3``: rank 0 one copy of its bucket; ranks 1 and 2 nothing.
+* ``W >= 4``: each rank of group A one receive buffer of :math:`k \lceil P_b/k \rceil` elements (about one
+  bucket), plus, under gloo, a copy of the bucket to send; group B's ranks nothing.
+
+So at most one gradient's worth (two under gloo at ``W >= 4``) on group A's ranks, reached only if every
+bucket is in flight at once; on CPU these buffers are kept between windows (fresh pages cost more than the
+copies). Besides: float64 chunk scratch of at most
+:func:`lightning_simigrad._dots.scratch_bytes` per stream (16 MiB on an accelerator, 2 MiB on CPU),
+and four float64 numbers per bucket.
 """
 
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -77,15 +107,12 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_simigrad._dots import gram, square
+from lightning_simigrad import _ddp_scalars
+from lightning_simigrad._ddp_decision import MeasurementError, decide
+from lightning_simigrad._ddp_hook import BucketHook, Layout, Round
 from lightning_simigrad.statistics import HalfStats
 
-__all__ = ["RankGroupMeasurement"]
-
-
-def _bucket_dots(u: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """``[u.u, u.g, g.g]`` as a float64 tensor of shape (3,) (one pass over both)."""
-    return gram(u, g)
+__all__ = ["MeasurementError", "RankGroupMeasurement"]
 
 
 def _registered_hook_name(ddp_model: DistributedDataParallel) -> str | None:
@@ -110,13 +137,12 @@ def _registered_hook_name(ddp_model: DistributedDataParallel) -> str | None:
 class RankGroupMeasurement:
     """Half-batch gradient statistics of DDP's synchronising backward, measured in a comm hook.
 
-    Construct it on every rank, in the same order relative to other process-group creations (it may
-    create group A's subgroup with ``dist.new_group``, which all ranks of the default group must
-    enter). Then per measured window:
+    Construct it on every rank (construction communicates nothing). Then per measured window:
 
     1. ``arm(samples_per_rank)`` on every rank before the synchronising (last) backward of the window;
     2. run the backward (DDP's gradients come out exactly as without the hook);
-    3. ``collect()`` on every rank: a collective returning the same :class:`HalfStats` everywhere.
+    3. ``collect()`` on every rank: a collective returning the same :class:`HalfStats` everywhere, or
+       raising the same :class:`MeasurementError` everywhere.
 
     Args:
         process_group: the group DDP synchronises over; None for the default (world) group.
@@ -132,7 +158,7 @@ class RankGroupMeasurement:
         ...
         measurement.arm(samples_per_rank)  # before the backward that synchronises
         loss.backward()
-        stats = measurement.collect()  # HalfStats, identical on all ranks
+        stats = measurement.collect(loss_scale=scaler)  # HalfStats, identical on all ranks
     """
 
     def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
@@ -152,37 +178,17 @@ class RankGroupMeasurement:
         if self._rank < 0:
             raise RuntimeError("This rank is not a member of `process_group`.")
         self._global_ranks = dist.get_process_group_ranks(self._pg)
-        self._size_a = self._world_size // 2
-        # Which ranks compute the dot products, and which slice of every bucket this rank takes.
-        if self._size_a >= 2:
-            computing = self._size_a  # group A's ranks, after the reduce-scatter within group A
-        elif self._world_size == 2:
-            computing = 2  # rank 0 holds u, rank 1 holds o: local squares, then |g|^2 on a slice each
-        else:
-            computing = 1  # W = 3: rank 0 alone holds u; B's ranks hold neither share
-        self._num_computing = computing
-        self._slot: int | None = self._rank if self._rank < computing else None
-        self._squares = self._world_size == 2  # u.o from |g|^2 - u.u - o.o (see the module docstring)
-        # CPU only: copy targets kept between measured windows, per bucket index (see the docstring).
-        self._workspaces: dict[int, torch.Tensor] = {}
-        # Group A needs its own group only when it has >= 2 ranks. Its all-reduce runs beside DDP's
-        # world all-reduce from the same thread, in bucket order: one group per phase, never one shared
-        # (the notes saw a shared group deadlock at random).
-        self._half_group: dist.ProcessGroup | None = None
-        if self._size_a >= 2:
-            group = dist.new_group(ranks=self._global_ranks[: self._size_a], backend=dist.get_backend(self._pg))
-            if self.group_of(self._rank) == 0:
-                self._half_group = group  # type: ignore[assignment]
-        self._lock = threading.Lock()
+        self._layout = Layout(self._world_size, self._rank)
+        self._buckets = BucketHook(self._layout, self._pg)  # type: ignore[arg-type]
         self._model: DistributedDataParallel | None = None
-        self._closed = False
-        # Per-measurement state, written by `arm()` (main thread), the hook (autograd thread) and the
-        # bucket callbacks (comm threads; those only touch `_partials`, under the lock).
-        self._state = "idle"  # idle -> armed -> measuring (buckets flowing) -> measured -> idle
-        self._counts: tuple[int, ...] = ()
-        self._partials: dict[int, torch.Tensor] = {}
-        self._num_buckets = 0
         self._device = torch.device("cpu")
+        self._closed = False
+        # A round goes armed (arm) -> active (first bucket of the next synchronising backward) ->
+        # measured (its last bucket) -> collected. The hook runs on autograd's thread, the bucket
+        # callbacks on the process group's threads (gloo) or inline (NCCL); each round is its own object.
+        self._armed: Round | None = None
+        self._active: Round | None = None
+        self._measured: Round | None = None
 
     # ------------------------------------------------------------------ public API
 
@@ -194,7 +200,7 @@ class RankGroupMeasurement:
         """0 if ``rank`` (a rank of the process group) is in group A (the first ``W // 2``), else 1."""
         if not 0 <= rank < self._world_size:
             raise ValueError(f"`rank` must lie in [0, {self._world_size}), got {rank}.")
-        return 0 if rank < self._size_a else 1
+        return 0 if rank < self._layout.size_a else 1
 
     def register(self, ddp_model: DistributedDataParallel) -> None:
         """Register the measuring comm hook on ``ddp_model`` (the DDP wrapper itself).
@@ -229,6 +235,8 @@ class RankGroupMeasurement:
                 raise
             ddp_model._comm_hooks.pop()  # DDP appended ours before the reducer refused it
             raise RuntimeError(self._hook_conflict_message("unknown")) from error
+        parameter = next(ddp_model.parameters(), None)
+        self._device = parameter.device if parameter is not None else torch.device("cpu")
         self._model = ddp_model
 
     def arm(self, samples_per_rank: Sequence[int]) -> None:
@@ -252,95 +260,75 @@ class RankGroupMeasurement:
             )
         if any(n < 0 for n in counts):
             raise ValueError(f"`samples_per_rank` must be non-negative, got {list(counts)}.")
-        n_a, n_b = sum(counts[: self._size_a]), sum(counts[self._size_a :])
+        size_a = self._layout.size_a
+        n_a, n_b = sum(counts[:size_a]), sum(counts[size_a:])
         if n_a == 0 or n_b == 0:
             raise ValueError(
                 f"Both rank groups need samples in a measured window (group A = ranks "
-                f"0..{self._size_a - 1}), got n_A={n_a}, n_B={n_b} from {list(counts)}."
+                f"0..{size_a - 1}), got n_A={n_a}, n_B={n_b} from {list(counts)}."
             )
-        if self._state in ("measuring", "measured"):
+        if self._active is not None or self._measured is not None:
             raise RuntimeError(
                 "The previous measurement has not been collected: call `collect()` on every rank after "
                 "the synchronising backward (or `disarm()` to drop it) before arming again."
             )
-        self._counts = counts
-        self._state = "armed"
+        self._armed = Round(counts)
 
     def disarm(self) -> None:
         """Drop an armed or uncollected measurement (local, no communication). Call it on all ranks."""
-        self._reset()
+        self._armed = self._active = self._measured = None
 
-    def collect(self) -> HalfStats | None:
+    def collect(self, loss_scale: Any = None) -> HalfStats | None:
         """The statistics of the last armed synchronisation, bitwise identical on every rank.
 
-        A collective (an all-gather of five float64 scalars per rank): call it on every rank after the
-        synchronising backward returned. Returns None when nothing was armed, and disarms.
+        A collective (an all-gather of six float64 numbers per rank), issued on every rank whatever failed
+        locally: call it on every rank after the synchronising backward returned. Returns None when
+        nothing was armed (on any rank: arm on all ranks or none), and disarms.
+
+        Args:
+            loss_scale: the loss scale the backward ran under, to take out of the statistics: a
+                ``torch.amp.GradScaler`` (its scale tensor is read with the rows, in the same transfer),
+                a tensor, a float, or None for unscaled gradients.
 
         Raises:
-            RuntimeError: if armed but no synchronising backward completed since ``arm()``.
+            MeasurementError: on every rank alike, if the measurement failed on any rank, or no
+                synchronising backward ran since ``arm()``.
+            RuntimeError: if the all-gather itself failed (a rank died, or the process group timed out).
         """
-        state, counts = self._state, self._counts
-        if state == "idle":
+        round = self._measured or self._armed or self._active
+        self.disarm()
+        if round is None:
             return None
-        if state != "measured":
-            self._reset()
+        device = round.device or self._device
+        try:
+            stream = self._buckets.measurement_stream(device) if device.type == "cuda" else None
+            row = _ddp_scalars.local_row(round, self._layout.slot is not None, device, stream)
+        except Exception as error:
+            round.fail(_ddp_scalars.COLLECT, error)
+            row = _ddp_scalars.failed_row(device, _ddp_scalars.COLLECT)
+        scale = _ddp_scalars.scale_tensor(loss_scale)
+        try:
+            rows, scale_value = _ddp_scalars.fetch(_ddp_scalars.gather(row, self._pg, self._world_size), scale)  # type: ignore[arg-type]
+        except Exception as error:
             raise RuntimeError(
-                "`collect()` was called after `arm()` but before a synchronising backward completed: "
-                "arm before the window's last backward (the one outside `no_sync()`) and collect after it."
-            )
-        n_a, n_b = sum(counts[: self._size_a]), sum(counts[self._size_a :])
-        # This rank's parts of [u.u, u.g, g.g, o.o] (see `_hook`), and how many buckets it is missing.
-        local = [0.0, 0.0, 0.0, 0.0, 0.0]
-        if self._slot is not None:
-            with self._lock:
-                partials = [self._partials.get(i) for i in range(self._num_buckets)]
-            present = [p for p in partials if p is not None]
-            if present:
-                local[:4] = torch.stack(present).sum(dim=0).tolist()
-            local[4] = float(len(partials) - len(present))
-        device = self._device
-        self._reset()
-        mine = torch.tensor(local, dtype=torch.float64, device=device)
-        gathered = [torch.empty_like(mine) for _ in range(self._world_size)]
-        dist.all_gather(gathered, mine, group=self._pg)
-        # Identical inputs, identical order of float additions: bitwise the same result on every rank.
-        uu = ug = gg = oo = missing = 0.0
-        for row in gathered:
-            r_uu, r_ug, r_gg, r_oo, r_missing = row.tolist()
-            uu, ug, gg, oo, missing = uu + r_uu, ug + r_ug, gg + r_gg, oo + r_oo, missing + r_missing
-        if missing:
-            raise RuntimeError(
-                f"{int(missing)} bucket result(s) of the synchronising backward never arrived; the "
-                "measurement is lost. Was the backward interrupted?"
-            )
-        if self._squares:  # W = 2: |g|^2 = u.u + 2 u.o + o.o, each square measured directly
-            uo = 0.5 * (gg - uu - oo)
-        else:  # from u.g: u.o = u.g - u.u, o.o = g.g - 2 u.g + u.u
-            uo, oo = ug - uu, gg - 2.0 * ug + uu
-        n = n_a + n_b
-        c_a, c_b = n / n_a, n / n_b  # g_A = c_a u, g_B = c_b o
-        dot, sq_a, sq_b = c_a * c_b * uo, c_a * c_a * uu, c_b * c_b * oo
-        return HalfStats(dot=dot, sq_a=sq_a, sq_b=sq_b, n_a=n_a, n_b=n_b)
+                f"The all-gather of SimiGrad's DDP measurement failed ({type(error).__name__}: {error}). A rank "
+                "died or the process group timed out; see the first failing rank's log."
+            ) from error
+        size_a = self._layout.size_a
+        n_a, n_b = sum(round.counts[:size_a]), sum(round.counts[size_a:])
+        try:
+            stats = decide(rows, n_a, n_b, squares=self._layout.squares)
+        except MeasurementError as error:
+            raise error from (round.failure[1] if round.failure is not None else None)
+        return stats.scaled(1.0 / scale_value) if scale_value != 1.0 else stats
 
     def close(self) -> None:
-        """Destroy the subgroup this object created; the hook then only averages. Idempotent."""
-        if self._closed:
-            return
+        """Stop measuring: the hook then only averages. Local and idempotent; it communicates nothing."""
         self._closed = True
-        self._reset()
-        self._workspaces = {}
-        if self._half_group is not None:
-            dist.destroy_process_group(self._half_group)
-            self._half_group = None
+        self.disarm()
+        self._buckets.clear()
 
     # ------------------------------------------------------------------ internals
-
-    def _reset(self) -> None:
-        self._state = "idle"
-        self._counts = ()
-        self._partials = {}
-        self._num_buckets = 0
-        self._device = torch.device("cpu")
 
     @staticmethod
     def _hook_conflict_message(existing: str) -> str:
@@ -352,136 +340,23 @@ class RankGroupMeasurement:
         )
 
     def _make_hook(self) -> Callable[[object, dist.GradBucket], torch.futures.Future[torch.Tensor]]:
+        # DDP checks the hook's annotations as objects: this module must not postpone them (no
+        # `from __future__ import annotations`).
         def simigrad_measurement_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
             return self._hook(bucket)
 
         return simigrad_measurement_hook
 
     def _hook(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        buffer = bucket.buffer()
-        index = bucket.index()
-        if index == 0 and self._state == "armed" and not self._closed:
-            self._state = "measuring"
-            self._device = buffer.device
-        measuring = self._state == "measuring"
-        # DDP's built-in reducer multiplies by 1/W before summing; doing the same keeps the gradients
-        # bitwise equal to plain DDP (dividing after the sum would round differently at odd W).
-        buffer.mul_(1.0 / self._world_size)
-        if measuring and bucket.is_last():
-            self._num_buckets, self._state = index + 1, "measured"
-        slot = self._slot
-        if not measuring or slot is None:
-            world = dist.all_reduce(buffer, group=self._pg, async_op=True).get_future()  # type: ignore[union-attr]
-            return _then(world, lambda _: buffer, buffer.device)
-        numel, k = buffer.numel(), self._num_computing
-        lo, hi = numel * slot // k, numel * (slot + 1) // k
-        zero = torch.zeros((), dtype=torch.float64, device=buffer.device)
-        if self._squares:
-            # W = 2: the local square of this rank's share, read before the in-place all-reduce
-            # overwrites it. An error here must still let the all-reduce run (the partner waits on it)
-            # and then reach backward through the future.
-            own: torch.Tensor | BaseException
-            try:
-                own = square(buffer)
-            except BaseException as error:
-                own = error
-            world = dist.all_reduce(buffer, group=self._pg, async_op=True).get_future()  # type: ignore[union-attr]
-            holds_b = slot == 1
-
-            def finish_squares(_: Any) -> torch.Tensor:
-                if isinstance(own, BaseException):
-                    raise own
-                gg = square(buffer[lo:hi])
-                parts = torch.stack([zero, zero, gg, own] if holds_b else [own, zero, gg, zero])
-                with self._lock:
-                    self._partials[index] = parts
-                return buffer
-
-            return _then(world, finish_squares, buffer.device)
-
-        # This rank's (pre-divided) bucket, copied before the in-place world all-reduce overwrites it.
-        share = self._workspace(index, 0, buffer, numel).copy_(buffer)
-        futures = [dist.all_reduce(buffer, group=self._pg, async_op=True).get_future()]  # type: ignore[union-attr]
-        if self._half_group is not None:
-            # Reduce-scatter within group A as an all-to-all of slices (gloo's reduce_scatter has no
-            # future): A-rank j receives the other A-ranks' slice j and adds them to its own below.
-            # Its own slice is not sent to itself (split size 0) where the others' slices are contiguous
-            # (the first and last A-rank: all of them at k = 2), so nothing is copied twice.
-            mine = hi - lo
-            skip_self = slot in (0, k - 1)
-            sizes_in = [numel * (j + 1) // k - numel * j // k for j in range(k)]
-            sizes_out = [mine] * k
-            if skip_self:
-                sizes_in[slot] = sizes_out[slot] = 0
-            send = (share[hi:] if slot == 0 else share[:lo]) if skip_self else share
-            received = self._workspace(index, 1, buffer, sum(sizes_out))
-            work = dist.all_to_all_single(  # issued right after the world all-reduce, in bucket order
-                received, send, sizes_out, sizes_in, group=self._half_group, async_op=True
-            )
-            futures.append(work.get_future())  # type: ignore[union-attr]
-            others = [received[j * mine : (j + 1) * mine] for j in range(k) if sizes_out[j] and j != slot]
-            if skip_self:  # the pieces are packed: the zero-size own slot takes no room
-                others = list(received.split(mine)) if mine else []
-        else:  # W = 3: rank 0's bucket is all of u
-            others = []
-
-        def finish(_: Any) -> torch.Tensor:
-            u = share[lo:hi]
-            for piece in others:  # the all-to-all has read `share`: summing into it is safe
-                u.add_(piece)
-            if u.is_cuda:  # allocated on the autograd stream, read on this callback's stream
-                u.record_stream(torch.cuda.current_stream(u.device))
-            parts = torch.cat([_bucket_dots(u, buffer[lo:hi]), zero.view(1)])
-            with self._lock:
-                self._partials[index] = parts
-            return buffer
-
-        return _then(torch.futures.collect_all(futures), finish, buffer.device)
-
-    def _workspace(self, index: int, role: int, like: torch.Tensor, numel: int) -> torch.Tensor:
-        """A 1-D tensor of ``numel`` elements like ``like``: kept per (bucket, role) on CPU, else fresh."""
-        if like.device.type != "cpu":
-            return torch.empty(numel, dtype=like.dtype, device=like.device)
-        key = 2 * index + role
-        cached = self._workspaces.get(key)
-        if cached is None or cached.numel() != numel or cached.dtype != like.dtype:
-            cached = self._workspaces[key] = torch.empty(numel, dtype=like.dtype)
-        return cached
-
-
-def _then(
-    fut: torch.futures.Future[Any], fn: Callable[[Any], torch.Tensor], device: torch.device
-) -> torch.futures.Future[torch.Tensor]:
-    """Like ``fut.then(fn)``, but any exception (of a collective or of ``fn``) is raised by backward.
-
-    Errors inside future callbacks are easy to lose (the notes saw one hang DDP's backward silently),
-    so every error is caught here and ``set_exception`` on the future handed to DDP. The final
-    ``.then(_unwrap)`` turns that into a C++-side error, which the reducer re-raises with the original
-    message (a bare ``set_exception`` future would surface as "Unable to cast ... to Tensor").
-    For CUDA tensors the future is told its device, so ``set_result`` records the callback's stream
-    and the reducer's wait orders the gradient copy after it.
-    """
-    result: torch.futures.Future[torch.Tensor] = (
-        torch.futures.Future() if device.type == "cpu" else torch.futures.Future(devices=[device])
-    )
-
-    def done(parent: torch.futures.Future[Any]) -> None:
-        try:
-            # wait(), not value(): it re-raises a failed collective and, for CUDA futures, makes the
-            # current stream wait for the collective's kernels (collect_all's own future carries none).
-            value = parent.wait()
-            for sub in value if isinstance(value, list) else ():
-                if isinstance(sub, torch.futures.Future):
-                    sub.wait()
-            result.set_result(fn(value))
-        except BaseException as error:  # whatever it is, it must reach the reducer
-            wrapped = RuntimeError(f"lightning_simigrad's DDP measurement hook failed: {type(error).__name__}: {error}")
-            wrapped.__cause__ = error
-            result.set_exception(wrapped)  # type: ignore[arg-type]
-
-    fut.add_done_callback(done)
-    return result.then(_unwrap)
-
-
-def _unwrap(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
-    return fut.wait()  # raises the exception set above, inside torch's own error path
+        # DDP launches a backward's buckets in index order: the first opens the armed round.
+        if bucket.index() == 0 and self._armed is not None and not self._closed:
+            self._active, self._armed = self._armed, None
+            self._active.started = True
+            self._active.device = bucket.buffer().device
+        round = self._active
+        if round is None:
+            return self._buckets.average(bucket.buffer())
+        if bucket.is_last():
+            round.num_buckets = bucket.index() + 1
+            self._measured, self._active = round, None
+        return self._buckets.measure(round, bucket)

@@ -8,7 +8,13 @@ for a global window of ``n`` samples, the number of micro-batches ``k`` and the 
 - slots are as equal as possible (differing by at most one sample), so the applied batch size is
   exactly ``n`` rather than ``k x micro x world`` rounded as in the paper's code;
 - there are at least ``min_micro_batches`` micro-batches (two on one process, whose halves are
-  measured against each other), an even number when that measurement needs it.
+  measured against each other), an even number when that measurement needs it;
+- no slot holds a single sample where the window has enough for two per slot: BatchNorm refuses a
+  micro-batch of one, and plain Lightning with the same DataLoader feeds one only at an epoch tail of
+  one. So the number of micro-batches never rises above what keeps two samples per slot, and an
+  epoch's last few samples are not left as a window of their own when they are fewer than
+  :func:`min_window` (too few to measure two halves with two samples a slot): the window before them
+  takes them.
 
 Pure Python: tested against hand-worked cases in ``tests/test_plan.py``.
 """
@@ -20,7 +26,7 @@ import math
 from dataclasses import dataclass
 from functools import cached_property
 
-__all__ = ["Window", "plan_window"]
+__all__ = ["Window", "min_window", "plan_window"]
 
 
 @dataclass(frozen=True)
@@ -77,6 +83,15 @@ def _split(total: int, parts: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
+def min_window(world_size: int, min_micro_batches: int = 1) -> int:
+    """The fewest samples a window needs to give every slot two samples: ``2 W m``.
+
+    >>> min_window(world_size=1, min_micro_batches=2), min_window(world_size=4)
+    (4, 8)
+    """
+    return 2 * world_size * min_micro_batches
+
+
 def plan_window(
     batch_size: int,
     available: int,
@@ -84,8 +99,9 @@ def plan_window(
     max_micro_batch_size: int,
     min_micro_batches: int = 1,
     even_micro_batches: bool = False,
+    take_small_remainder: bool = True,
 ) -> Window:
-    """Plan a window of ``min(batch_size, available)`` samples.
+    """Plan a window of ``min(batch_size, available)`` samples (all of ``available`` if the rest would be tiny).
 
     Args:
         batch_size: the global batch size the controller asks for.
@@ -94,9 +110,15 @@ def plan_window(
         max_micro_batch_size: per-rank cap of a micro-batch.
         min_micro_batches: fewest micro-batches (2 where the halves are two halves in time).
         even_micro_batches: round the count up to even, so the two halves in time are equal.
+        take_small_remainder: take the rest of ``available`` too when fewer than :func:`min_window`
+            samples would remain (False where that rest is a tail ``drop_last`` drops).
 
-    A slot may be 0 only when the window has fewer samples than ranks (a tiny epoch tail); the
-    sampler then feeds such a rank one sample with zero weight so that every rank still steps.
+    A window that would leave fewer than :func:`min_window` samples behind takes them too (it is the
+    epoch's last), so no step is a sliver. The memory cap always holds; below it, slots keep at least
+    two samples where the window has them, even if that means fewer micro-batches than
+    ``min_micro_batches`` (a window of 3 samples on one process is one unmeasured micro-batch of 3).
+    A slot may be 0 only when the window has fewer samples than ranks (a tiny epoch); the sampler then
+    feeds such a rank one sample with zero weight so that every rank still steps.
 
     >>> plan_window(100, 10_000, world_size=1, max_micro_batch_size=64, min_micro_batches=2).sizes
     ((50,), (50,))
@@ -104,13 +126,21 @@ def plan_window(
     ((51, 50), (50, 50), (50, 50))
     >>> plan_window(500, 7, world_size=2, max_micro_batch_size=64).sizes  # the epoch's last 7 samples
     ((4, 3),)
+    >>> plan_window(16, 19, world_size=1, max_micro_batch_size=8, min_micro_batches=2).sizes  # 3 left: taken
+    ((7,), (6,), (6,))
     """
-    n = min(batch_size, available)
-    if n <= 0:
+    if available <= 0 or batch_size <= 0:
         raise ValueError(f"a window needs at least one sample, got batch_size={batch_size}, available={available}")
-    k = max(min_micro_batches, math.ceil(n / (world_size * max_micro_batch_size)))
+    n = min(batch_size, available)
+    if take_small_remainder and available - n < min_window(world_size, min_micro_batches):
+        n = available
+    fewest = math.ceil(n / (world_size * max_micro_batch_size))  # the memory cap's minimum
+    k = max(min_micro_batches, fewest)
     if even_micro_batches and k % 2:
         k += 1
+    # two samples per slot where the window has them (one, if the user's cap is one)
+    k = min(k, max(1, n // (world_size * min(2, max_micro_batch_size))))
+    k = max(k, fewest)
     # every rank needs a sample in every micro-batch where the window allows it
     k = max(1, min(k, n // world_size))
     per_micro = _split(n, k)

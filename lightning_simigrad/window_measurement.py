@@ -16,6 +16,13 @@ accumulation does anyway, and the set-aside tensors are the one gradient-sized b
 This happens in ``on_after_backward``, before a ``GradScaler`` unscales the gradient and checks it for
 overflow, so both halves carry the same loss scale (``inv_scale`` removes it from the products) and an
 overflow in either half makes the scaler skip the step.
+
+On CUDA everything here runs on the current stream of the training loop, where the backward left the
+gradients. A set-aside tensor was made by the backward's stream, though, and a user's model may run
+parts of its backward on other streams: before such a tensor is dropped (re-joined or restored) it is
+marked as read on the current stream, so the caching allocator cannot reuse its memory while the
+products and the addition that read it are still queued. The products are summed on the device and read
+to the host once, with the loss scale when it is given as a tensor (one host synchronisation).
 """
 
 from __future__ import annotations
@@ -55,11 +62,25 @@ class WindowHalvesMeasurement:
                 p.grad = first
             else:
                 p.grad.add_(first)
+                _read_on_current_stream(first)
         self._first = []
 
     @torch.no_grad()
-    def combine(self, params: list[Tensor], n_a: int, n_b: int, inv_scale: float = 1.0) -> HalfStats:
-        """Statistics of the two halves; leaves ``p.grad`` holding the whole window's gradient."""
+    def combine(
+        self,
+        params: list[Tensor],
+        n_a: int,
+        n_b: int,
+        inv_scale: float | Tensor = 1.0,
+        total: int | None = None,
+    ) -> HalfStats:
+        """Statistics of the two halves; leaves ``p.grad`` holding the whole window's gradient.
+
+        ``total`` is the window's planned :math:`N` (each sample weighed ``1/N``); it exceeds
+        ``n_a + n_b`` when a micro-batch was skipped (``training_step`` returned None).
+        ``inv_scale`` (a float, or a tensor read in the same transfer as the products) removes a loss
+        scale from the statistics.
+        """
         parts = []
         aside = set()
         for p, first in self._first:
@@ -70,12 +91,23 @@ class WindowHalvesMeasurement:
                 parts.append(torch.stack([ss, torch.zeros_like(ss), torch.zeros_like(ss)]))
             else:
                 parts.append(gram_and_add_(first, p.grad))
+                _read_on_current_stream(first)
         for p in params:  # a gradient only in the second half
             if id(p) not in aside and p.grad is not None:
                 rr = square(p.grad)
                 parts.append(torch.stack([torch.zeros_like(rr), torch.zeros_like(rr), rr]))
         self._first = []
-        ss, sr, rr = (torch.stack(parts).sum(0) if parts else torch.zeros(3, dtype=torch.float64)).tolist()
-        total = n_a + n_b
-        fa, fb = total / n_a * inv_scale, total / n_b * inv_scale  # g_A = fa s, g_B = fb r, unscaled
+        products = torch.stack(parts).sum(0) if parts else torch.zeros(3, dtype=torch.float64)
+        if isinstance(inv_scale, Tensor):
+            products = torch.cat([products, inv_scale.detach().reshape(1).to(products)])
+        values = products.tolist()  # the one host synchronisation
+        ss, sr, rr = values[:3]
+        scale = values[3] if isinstance(inv_scale, Tensor) else float(inv_scale)
+        total = n_a + n_b if total is None else total
+        fa, fb = total / n_a * scale, total / n_b * scale  # g_A = fa s, g_B = fb r, unscaled
         return HalfStats(dot=sr * fa * fb, sq_a=ss * fa * fa, sq_b=rr * fb * fb, n_a=n_a, n_b=n_b)
+
+
+def _read_on_current_stream(tensor: Tensor) -> None:
+    if tensor.is_cuda:
+        tensor.record_stream(torch.cuda.current_stream(tensor.device))

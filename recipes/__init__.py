@@ -1,10 +1,12 @@
 """Hydra recipes for ``lightning_simigrad``: the paper's experiments and small embedded defaults.
 
-Run them with the ``simigrad-train`` console script (``recipes.train:main``); the configs live in
-``conf/`` at the repository root. This package imports Hydra, torchvision, transformers and wandb
-(the ``recipes`` extra); the library ``lightning_simigrad`` itself does not.
+Run them with the ``simigrad-train`` console script (``lightning_simigrad_recipes.train:main``). The
+repository keeps this package in ``recipes/`` and its Hydra configs in ``conf/``; installed, they are
+``lightning_simigrad_recipes`` and ``lightning_simigrad_recipes.conf`` (``setup.py`` maps the folders).
+This package imports Hydra, torchvision, transformers and wandb (the ``recipes`` extra); the library
+``lightning_simigrad`` never imports it.
 """
 
-from recipes.errors import RecipeError
+from lightning_simigrad_recipes.errors import RecipeError
 
 __all__ = ["RecipeError"]

@@ -1,4 +1,4 @@
-"""``simigrad-train``: compose a Hydra config from ``conf/`` and train one recipe.
+"""``simigrad-train``: compose a Hydra config from the shipped configs and train one recipe.
 
     simigrad-train                                            # digits on CPU, about two minutes
     simigrad-train experiment=resnet18_cifar10 data.root=/data/cifar-10-batches-py
@@ -8,6 +8,10 @@
 ``main()`` is the thin ``@hydra.main`` entry; ``train(cfg)`` is a plain function that tests call
 with a composed config. User errors (a wrong path, an unknown option) end as one ``error: ...``
 line on stderr and exit code 2.
+
+The configs are the package ``lightning_simigrad_recipes.conf`` (the repository's ``conf/``, see
+``setup.py``), read through Hydra's ``pkg://`` search path: a wheel, an editable install and a checkout
+find them alike, without environment variables. ``--config-dir DIR`` adds a user's folder beside them.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from recipes.errors import RecipeError
+from lightning_simigrad_recipes.errors import RecipeError
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -34,9 +38,8 @@ if TYPE_CHECKING:
 # reported in a second or two instead of after Lightning's import.
 
 
-def config_dir() -> Path:
-    """``conf/`` beside this package (repo checkout or editable install), or ``$SIMIGRAD_CONFIG_DIR``."""
-    return Path(os.environ.get("SIMIGRAD_CONFIG_DIR") or Path(__file__).resolve().parent.parent / "conf")
+# The shipped configs; compose them in-process with hydra.initialize_config_module(CONFIG_MODULE).
+CONFIG_MODULE = "lightning_simigrad_recipes.conf"
 
 
 # `${if_cuda:16-mixed,32-true}`: mixed precision where a GPU is present, full precision on CPU.
@@ -109,7 +112,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     from lightning.pytorch.callbacks import LearningRateMonitor
     from lightning.pytorch.loggers import WandbLogger
 
-    from recipes.trace import SimiGradTrace
+    from lightning_simigrad_recipes.trace import SimiGradTrace
 
     cfg = _apply_smoke(cfg)
     out = _output_dir(cfg)
@@ -132,10 +135,6 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     callbacks: list[pl.Callback] = [trace]
     if cfg.get("simigrad"):
         callbacks.insert(0, instantiate(cfg.simigrad))
-    if cfg.get("train_samples"):
-        from recipes.budget import SampleBudget
-
-        callbacks.append(SampleBudget(int(cfg.train_samples)))
     logger = _logger(cfg, out, run_name)
     if logger:
         callbacks.append(LearningRateMonitor(logging_interval="step"))
@@ -172,7 +171,7 @@ def _report(run_name: str, result: dict[str, Any]) -> None:
     print(f"run directory: {result['output_dir']}")
 
 
-@hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="train")
+@hydra.main(version_base="1.3", config_path=f"pkg://{CONFIG_MODULE}", config_name="train")
 def _hydra_main(cfg: DictConfig) -> None:
     try:
         train(cfg)
@@ -194,6 +193,12 @@ def _one_line(err: BaseException) -> str:
             f"unknown config key '{key.group(1)}': check its spelling "
             "(`simigrad-train --cfg job` prints every key of the composed config)"
         )
+    missing_dir = re.match(r"Additional config directory '([^']+)' not found", text)
+    if missing_dir:
+        return (
+            f"--config-dir {missing_dir.group(1)} is not a folder; pass the folder that holds your config groups "
+            "(e.g. ./my_conf with ./my_conf/experiment/my_exp.yaml)"
+        )
     head, found, rest = text.partition("Available options")
     message = " ".join(line.strip() for line in head.splitlines() if line.strip())
     if found:  # "Available options in 'experiment':" then one option per line
@@ -205,11 +210,6 @@ def _one_line(err: BaseException) -> str:
 
 def main() -> None:
     """Console entry ``simigrad-train``: run Hydra, turn user errors into one line and exit code 2."""
-    if not config_dir().is_dir():
-        print(
-            f"error: no config folder at {config_dir()}; set SIMIGRAD_CONFIG_DIR to the repo's conf/", file=sys.stderr
-        )
-        sys.exit(2)
     # Let Hydra's errors reach us instead of being printed as a trimmed traceback with exit code 1.
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")
     try:

@@ -26,11 +26,22 @@ class IndexedRegression(Dataset):
 
 
 class Regressor(pl.LightningModule):
-    """A small MLP returning the mean squared error; records the indices of every micro-batch it trains on."""
+    """A small MLP returning the mean squared error; records the indices of every micro-batch it trains on.
 
-    def __init__(self, dim: int = 6, lr: float = 0.05, dtype: torch.dtype = torch.float64, scheduler: bool = False):
+    With ``dropout`` its training step draws random numbers, so its gradients depend on the RNG's state.
+    """
+
+    def __init__(
+        self,
+        dim: int = 6,
+        lr: float = 0.05,
+        dtype: torch.dtype = torch.float64,
+        scheduler: bool = False,
+        dropout: float = 0.0,
+    ):
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(dim, 8), nn.Tanh(), nn.Linear(8, 1)).to(dtype)
+        hidden = [nn.Linear(dim, 8), nn.Tanh()] + ([nn.Dropout(dropout)] if dropout else [])
+        self.net = nn.Sequential(*hidden, nn.Linear(8, 1)).to(dtype)
         self.lr = lr
         self.use_scheduler = scheduler
         self.micro_batches: list[list[int]] = []

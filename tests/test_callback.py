@@ -147,10 +147,16 @@ def test_learning_rate_is_scaled_only_inside_the_step():
     model = Regressor(scheduler=True)
     t = trainer(callbacks=[cb, LrProbe()], gradient_clip_val=0.5)
     t.fit(model, DataLoader(dataset, batch_size=16, shuffle=True))
-    scheduled = [0.05 * 0.5 ** (step // 3) for step in range(t.global_step)]
+    # StepLR(step_size=3, gamma=0.5) per step of B0 = 16 samples: a step applies the schedule at the middle
+    # of the B0-steps its samples span
+    before = [0] + [int(h["samples_seen"]) for h in cb.history[:-1]]
+    middle = [(2 * done + int(h["batch_size"]) - 16) // 32 for done, h in zip(before, cb.history)]
+    scheduled = [0.05 * 0.5 ** (step // 3) for step in middle]
+    assert len({h["batch_size"] for h in cb.history}) > 2
     for lr, sched, row in zip(seen, scheduled, cb.history):
         assert row["lr_scale"] == pytest.approx(math.sqrt(row["batch_size"] / 16))
         assert lr == pytest.approx(sched * row["lr_scale"])
+        assert row["lr"] == pytest.approx(lr)  # `simigrad/lr` is the learning rate the step applied
     assert len(seen) == t.global_step
 
 
@@ -180,10 +186,12 @@ def test_logged_metrics_reach_the_loggers(tmp_path):
     assert [float(r["simigrad/batch_size"]) for r in logged] == [h["batch_size"] for h in cb.history]
 
 
-def test_a_limited_epoch_cuts_the_window_and_still_averages_what_it_fed():
+def test_a_limited_epoch_feeds_the_samples_of_its_batches_in_whole_windows():
     cb = SimiGrad(target_similarity=0.8, initial_batch_size=64, max_micro_batch_size=8)
     t, model, rec = fit(cb, limit_train_batches=11)
-    # windows of 8 micro-batches: the 11th micro-batch is the 3rd of the second window, stepped early
-    assert [len(s["micro"]) for s in rec.steps] == [8, 3]
-    assert cb.history[-1]["batch_size"] == len(rec.steps[-1]["indices"]) == sum(map(len, rec.steps[-1]["micro"]))
-    torch.testing.assert_close(flat(rec.steps[-1]["grads"]), flat(rec.steps[-1]["reference"]), rtol=1e-9, atol=1e-12)
+    # 11 batches of 16 samples: 176 samples, as windows of 64, 64 and the last 48
+    assert [len(s["indices"]) for s in rec.steps] == [64, 64, 48]
+    assert [len(s["micro"]) for s in rec.steps] == [8, 8, 6]
+    assert len(set(i for s in rec.steps for i in s["indices"])) == 176
+    for step in rec.steps:
+        torch.testing.assert_close(flat(step["grads"]), flat(step["reference"]), rtol=1e-9, atol=1e-12)

@@ -81,6 +81,7 @@ def read_ranks(out: Path, world: int) -> list[dict]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
 
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_ddp_steps_are_exact_identical_and_measure_the_rank_groups(tmp_path, world):
     dataset = IndexedRegression(203)
@@ -119,9 +120,11 @@ class EquilibriumDump(pl.Callback):
         (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(dict(history=cb.history)))
 
 
+@pytest.mark.timeout(180)
 def test_ddp_batch_size_settles_at_the_equilibrium(tmp_path):
     expected = equilibrium_batch_size(NOISE_SCALE, 0.8)
-    cb = SimiGrad(target_similarity=0.8, max_micro_batch_size=256)
+    # max_steps counts optimizer steps here (not steps of B0 samples): 150 steps, whatever their size
+    cb = SimiGrad(target_similarity=0.8, max_micro_batch_size=256, schedule_by_samples=False)
     t = trainer(
         devices=2, strategy="ddp_spawn", max_steps=150, max_epochs=-1, callbacks=[cb, EquilibriumDump(tmp_path)]
     )
@@ -148,6 +151,7 @@ def ddp_run(root: Path, max_epochs: int, ckpt_path=None) -> list[dict]:
     return read_ranks(root, 2)[0]["history"]
 
 
+@pytest.mark.timeout(180)
 def test_ddp_resume_continues_the_same_run(tmp_path):
     whole = ddp_run(tmp_path / "whole", max_epochs=3)
     part = ddp_run(tmp_path / "part", max_epochs=2)
@@ -164,6 +168,7 @@ class UserCommHook(pl.Callback):
         trainer.strategy.model.register_comm_hook(None, default_hooks.allreduce_hook)
 
 
+@pytest.mark.timeout(180)
 def test_a_users_comm_hook_is_refused_not_replaced(tmp_path):
     t = trainer(devices=2, strategy="ddp_spawn", callbacks=[UserCommHook(), SimiGrad(target_similarity=0.8)])
     with pytest.raises(Exception, match="comm(unication)? hook"):

@@ -1,72 +1,26 @@
 """RankGroupMeasurement on real gloo process groups (W = 2, 3, 4), started on loopback.
 
-Each test starts W processes; the checks run inside them and any failure propagates as an exception
-of `torch.multiprocessing.start_processes`. A parent-side deadline kills a hung group instead of
-waiting. The processes come from a fork server that has imported this module (torch, lightning) once:
-spawning fresh interpreters would pay ~10 s of imports per process on a 2-core machine.
+Each test starts W processes (`distributed.run_ok`, under a deadline); the checks run inside them and a
+failure comes back as that rank's traceback.
 """
 
-import contextlib
 import copy
-import datetime
-import multiprocessing
-import os
-import socket
-import time
-from collections.abc import Callable
-from typing import Any
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from distributed import run_ok
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from lightning_simigrad import ddp_measurement
-from lightning_simigrad.ddp_measurement import RankGroupMeasurement
+from lightning_simigrad.ddp_measurement import MeasurementError, RankGroupMeasurement
 
-DEADLINE_S = 50.0
-START_METHOD = "forkserver"
-# The server imports these once (Python 3.11's fork server ignores the parent's sys.path, so this
-# test module itself is not preloadable: its children import it, which is cheap after these). A fork
-# server that someone else started first still works, only slower.
-multiprocessing.get_context(START_METHOD).set_forkserver_preload(["torch", "lightning_simigrad.ddp_measurement"])
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from gpu_check import HostSyncs, flat_grad, reference_stats, run_window  # noqa: E402  (one copy of each)
+
 BUCKET_CAP_MB = 1e-5  # ~10 bytes: (after the rebuild) one bucket per parameter tensor
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, fn: Callable[..., None], world_size: int, port: int, args: tuple[Any, ...]) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    # A collective that never completes fails after this instead of hanging the child forever.
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=DEADLINE_S - 10)
-    )
-    try:
-        fn(rank, world_size, *args)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _spawn(fn: Callable[..., None], world_size: int, *args: Any) -> None:
-    context = mp.start_processes(
-        _entry, args=(fn, world_size, _free_port(), args), nprocs=world_size, join=False, start_method=START_METHOD
-    )
-    deadline = time.monotonic() + DEADLINE_S
-    while not context.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                if process.is_alive():
-                    process.kill()
-            pytest.fail(f"{fn.__name__} at W={world_size} did not finish within {DEADLINE_S} s (hang)")
 
 
 def _mlp() -> torch.nn.Module:
@@ -93,34 +47,6 @@ def _window(rank: int, world_size: int, seed: int) -> tuple[list[int], list[tupl
     return counts, micro
 
 
-def _run_window(model: torch.nn.Module, micro: list, counts: list[int], world_size: int) -> None:
-    """Accumulate one window: loss per micro = mean loss * (W * n_micro / N); no_sync but the last."""
-    total = sum(counts)
-    for i, (x, y) in enumerate(micro):
-        # DDP decides in forward whether the backward synchronises: forward inside no_sync too.
-        accumulate = isinstance(model, DDP) and i < len(micro) - 1
-        with model.no_sync() if accumulate else contextlib.nullcontext():  # type: ignore[operator]
-            loss = torch.nn.functional.mse_loss(model(x), y) * (world_size * x.shape[0] / total)
-            loss.backward()
-
-
-def _flat_grad(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-
-
-def _reference(local_grad: torch.Tensor, counts: list[int], world_size: int) -> tuple[float, float, float]:
-    """(dot, sq_a, sq_b) from every rank's local weighted gradient, gathered and combined in float64."""
-    gathered = [torch.empty_like(local_grad, dtype=torch.float64) for _ in range(world_size)]
-    dist.all_gather(gathered, local_grad.to(torch.float64))
-    size_a, total = world_size // 2, sum(counts)
-    n_a, n_b = sum(counts[:size_a]), sum(counts[size_a:])
-    g_a = total / (world_size * n_a) * torch.stack(gathered[:size_a]).sum(0)
-    g_b = total / (world_size * n_b) * torch.stack(gathered[size_a:]).sum(0)
-    g = total / world_size * torch.stack(gathered).sum(0) / total
-    torch.testing.assert_close((n_a * g_a + n_b * g_b) / total, g, rtol=1e-12, atol=1e-15)
-    return float(g_a @ g_b), float(g_a @ g_a), float(g_b @ g_b)
-
-
 def _check_measurement(rank: int, world_size: int) -> None:
     groups_before = len(dist.distributed_c10d._world.pg_map)
     for gradient_as_bucket_view in (False, True):
@@ -133,28 +59,36 @@ def _check_measurement(rank: int, world_size: int) -> None:
         assert [measurement.group_of(r) for r in range(world_size)] == [
             0 if r < world_size // 2 else 1 for r in range(world_size)
         ]
-        # Only group A's ranks hold a subgroup, and only when A has two ranks or more (W >= 4).
-        assert (measurement._half_group is not None) == (world_size >= 4 and rank < world_size // 2)
+        # Everything runs on DDP's own group: no subgroup, no second communicator.
+        assert len(dist.distributed_c10d._world.pg_map) == groups_before
         optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
         for window in range(4):
             armed = window != 1  # window 1 is an unarmed sync: plain averaging, collect() -> None
             counts, micro = _window(rank, world_size, window)
             for model in (plain, hooked, local):
                 model.zero_grad(set_to_none=True)
-            _run_window(plain, micro, counts, world_size)
-            _run_window(local, micro, counts, world_size)
+            with HostSyncs("cpu") as plain_reads:
+                run_window(plain, micro, counts, world_size)
+            run_window(local, micro, counts, world_size)
             if armed:
                 measurement.arm(counts)
-            _run_window(hooked, micro, counts, world_size)
+            with HostSyncs("cpu") as hooked_reads:
+                run_window(hooked, micro, counts, world_size)
+            assert hooked_reads.count == plain_reads.count  # the hook reads nothing back to the host
 
             # Gradients are exactly plain DDP's (same reduction arithmetic), on every rank.
             for p_plain, p_hooked in zip(plain.parameters(), hooked.parameters(), strict=True):
                 assert torch.equal(p_plain.grad, p_hooked.grad), (window, gradient_as_bucket_view)
             if window >= 2:  # after DDP's bucket rebuild (first iteration) the tiny cap gives many
-                assert measurement._num_buckets >= 3, measurement._num_buckets
+                assert measurement._measured is not None and measurement._measured.num_buckets >= 3
 
-            stats = measurement.collect()
-            reference = _reference(_flat_grad(local), counts, world_size)
+            loss_scale = torch.tensor(2.0) if window == 3 else None  # a GradScaler's scale, as a tensor
+            with HostSyncs("cpu") as collect_reads:
+                stats = measurement.collect(loss_scale=loss_scale)
+            assert collect_reads.count == (1 if armed else 0)  # one host synchronisation per step
+            if stats is not None and loss_scale is not None:
+                stats = stats.scaled(2.0)  # the statistics came divided by the scale: 2^2, exactly
+            reference = reference_stats(flat_grad(local), counts)
             if not armed:
                 assert stats is None
             else:
@@ -189,16 +123,17 @@ def _check_measurement(rank: int, world_size: int) -> None:
         counts, micro = _window(rank, world_size, 7)
         for model in (plain, hooked):
             model.zero_grad(set_to_none=True)
-            _run_window(model, micro, counts, world_size)
-        assert torch.equal(_flat_grad(plain), _flat_grad(hooked))
+            run_window(model, micro, counts, world_size)
+        assert torch.equal(flat_grad(plain), flat_grad(hooked))
         with pytest.raises(RuntimeError, match="closed"):
             measurement.arm(counts)
     assert len(dist.distributed_c10d._world.pg_map) == groups_before  # no stray subgroups
 
 
+@pytest.mark.timeout(120)  # beside the group's own deadline
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_matches_plain_ddp_and_reference(world_size: int) -> None:
-    _spawn(_check_measurement, world_size)
+    run_ok(_check_measurement, world_size)
 
 
 def _check_refusals(rank: int, world_size: int) -> None:
@@ -233,42 +168,15 @@ def _check_refusals(rank: int, world_size: int) -> None:
     with pytest.raises(ValueError, match="Both rank groups"):
         measurement.arm([0] * (world_size // 2) + [1] * (world_size - world_size // 2))
     measurement.arm([1] * world_size)
-    with pytest.raises(RuntimeError, match="before a synchronising backward"):
-        measurement.collect()  # armed, but no backward ran: consistent on all ranks, no collective
+    with pytest.raises(MeasurementError, match="before a synchronising backward"):
+        measurement.collect()  # armed, but no backward ran: every rank raises, after the all-gather
     assert measurement.collect() is None
     measurement.close()
 
 
+@pytest.mark.timeout(120)  # beside the group's own deadline
 def test_refusals() -> None:
-    _spawn(_check_refusals, 2)
-
-
-def _failing_dots(*tensors: torch.Tensor) -> torch.Tensor:
-    raise ValueError("injected failure in the bucket callback")
-
-
-def _check_error_surfaces(rank: int, world_size: int) -> None:
-    # This child only: the computing ranks' products raise (at W = 2 already before the all-reduce).
-    ddp_measurement._bucket_dots = _failing_dots
-    ddp_measurement.square = _failing_dots
-    model = DDP(_mlp(), bucket_cap_mb=BUCKET_CAP_MB)
-    measurement = RankGroupMeasurement()
-    measurement.register(model)
-    counts, micro = _window(rank, world_size, 0)
-    measurement.arm(counts)
-    computing = rank < (2 if world_size == 2 else max(1, world_size // 2))  # see the module docstring
-    assert computing == (measurement._slot is not None)
-    if computing:
-        with pytest.raises(RuntimeError, match="measurement hook failed: ValueError: injected failure"):
-            _run_window(model, micro, counts, world_size)
-    else:
-        _run_window(model, micro, counts, world_size)  # completes: its collectives all matched
-    measurement.close()
-
-
-@pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_error_in_hook_raises_in_backward(world_size: int) -> None:
-    _spawn(_check_error_surfaces, world_size)
+    run_ok(_check_refusals, 2)
 
 
 def _check_low_precision(rank: int, world_size: int, dtype: torch.dtype) -> None:
@@ -281,13 +189,13 @@ def _check_low_precision(rank: int, world_size: int, dtype: torch.dtype) -> None
     counts, micro = _window(rank, world_size, 0)
     micro = [(x.to(dtype), y.to(dtype)) for x, y in micro]
     for model in (plain, local):
-        _run_window(model, micro, counts, world_size)
+        run_window(model, micro, counts, world_size)
     measurement.arm(counts)
-    _run_window(hooked, micro, counts, world_size)
-    assert torch.equal(_flat_grad(plain), _flat_grad(hooked))
+    run_window(hooked, micro, counts, world_size)
+    assert torch.equal(flat_grad(plain), flat_grad(hooked))
     stats = measurement.collect()
     assert stats is not None and stats.is_finite
-    dot, sq_a, sq_b = _reference(_flat_grad(local), counts, world_size)
+    dot, sq_a, sq_b = reference_stats(flat_grad(local), counts)
     # The reference sums the halves in float64; DDP's (and so our) g is rounded to `dtype`.
     assert stats.similarity == pytest.approx(dot / (sq_a * sq_b) ** 0.5, abs=2e-2)
     assert stats.sq_a == pytest.approx(sq_a, rel=2e-2)
@@ -295,9 +203,10 @@ def _check_low_precision(rank: int, world_size: int, dtype: torch.dtype) -> None
     measurement.close()
 
 
+@pytest.mark.timeout(120)  # beside the group's own deadline
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_low_precision_gradients(dtype: torch.dtype) -> None:
-    _spawn(_check_low_precision, 2, dtype)
+    run_ok(_check_low_precision, 2, dtype)
 
 
 def _check_low_similarity(rank: int, world_size: int) -> None:
@@ -322,10 +231,10 @@ def _check_low_similarity(rank: int, world_size: int) -> None:
             ((model(x) * y).sum() * weight).backward()
         measurement.arm(counts)
         ((hooked(x) * y).sum() * weight).backward()
-        assert torch.equal(_flat_grad(plain), _flat_grad(hooked))
+        assert torch.equal(flat_grad(plain), flat_grad(hooked))
         stats = measurement.collect()
         assert stats is not None
-        dot, sq_a, sq_b = _reference(_flat_grad(local), counts, world_size)
+        dot, sq_a, sq_b = reference_stats(flat_grad(local), counts)
         scale = (sq_a * sq_b) ** 0.5
         assert abs(dot / scale) < 0.1, dot / scale  # the case this test is about
         assert abs(stats.dot - dot) <= 1e-6 * scale, (window, stats.dot, dot)
@@ -334,6 +243,23 @@ def _check_low_similarity(rank: int, world_size: int) -> None:
     measurement.close()
 
 
+@pytest.mark.timeout(120)  # beside the group's own deadline
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_low_similarity(world_size: int) -> None:
-    _spawn(_check_low_similarity, world_size)
+    run_ok(_check_low_similarity, world_size)
+
+
+def test_the_loss_scale_is_read_with_the_rows_in_one_transfer() -> None:
+    from lightning_simigrad import _ddp_scalars
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    assert _ddp_scalars.scale_tensor(scaler) == 8.0  # before its first step the scaler has no tensor yet
+    scaler.scale(torch.ones(()))  # now it holds its scale as a tensor: read without a synchronisation
+    scale = _ddp_scalars.scale_tensor(scaler)
+    assert isinstance(scale, torch.Tensor) and scale.item() == 8.0
+    assert _ddp_scalars.scale_tensor(torch.amp.GradScaler("cpu", enabled=False)) is None
+    rows = torch.arange(12, dtype=torch.float64).view(2, 6)
+    with HostSyncs("cpu") as reads:
+        values, value = _ddp_scalars.fetch(rows, scale)
+    assert reads.count == 1 and value == 8.0 and values == rows.tolist()
+    assert _ddp_scalars.fetch(rows, None) == (rows.tolist(), 1.0)

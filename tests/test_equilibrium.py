@@ -46,7 +46,8 @@ class LinearLoss(pl.LightningModule):
 def test_batch_size_settles_at_the_equilibrium(controller):
     target = 0.8
     expected = equilibrium_batch_size(NOISE_SCALE, target)  # 200
-    cb = SimiGrad(target_similarity=target, controller=controller, max_micro_batch_size=256)
+    # max_steps counts optimizer steps here (not steps of B0 samples): 160 steps, whatever their size
+    cb = SimiGrad(target_similarity=target, controller=controller, max_micro_batch_size=256, schedule_by_samples=False)
     t = trainer(callbacks=[cb], max_steps=160, max_epochs=-1)
     t.fit(LinearLoss(), DataLoader(known_noise_dataset(), batch_size=32, shuffle=True))
     sizes = [h["batch_size"] for h in cb.history]

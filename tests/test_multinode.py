@@ -10,6 +10,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 NODE_SCRIPT = textwrap.dedent(
     """
     import json, sys
@@ -51,6 +53,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.timeout(360)
 def test_two_nodes_train_to_the_end(tmp_path: Path):
     script = tmp_path / "node.py"
     script.write_text(NODE_SCRIPT.format(tests=str(Path(__file__).parent), out=str(tmp_path)))

@@ -11,26 +11,28 @@ import glob
 import json
 import pickle
 import struct
+import time
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
+from hydra import compose, initialize_config_module
 from omegaconf import DictConfig
 
-from recipes.errors import RecipeError
-from recipes.loggers import wandb_has_credentials
-from recipes.train import config_dir, train
+from lightning_simigrad_recipes.errors import RecipeError
+from lightning_simigrad_recipes.loggers import wandb_has_credentials
+from lightning_simigrad_recipes.train import CONFIG_MODULE, train
 
-CONF = config_dir()
+CONF = Path(str(resources.files(CONFIG_MODULE)))  # the configs Hydra reads: the checkout's conf/ when editable
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 TINY = ["num_threads=2", "logger=none"]
 
 
 def compose_cfg(overrides: list[str]) -> DictConfig:
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+    with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
         return compose(config_name="train", overrides=overrides)
 
 
@@ -97,6 +99,24 @@ def test_every_experiment_composes(experiment: str, simigrad: str) -> None:
     assert cfg.simigrad.controller == ("noise_scale" if simigrad == "noise_scale" else "paper")
     assert cfg.optimizer._partial_ is True
     assert cfg.trainer.max_steps == 4 and cfg.trainer.accelerator == "cpu"
+
+
+def _targets(node: Any) -> list[str]:
+    if isinstance(node, dict):
+        own = [node["_target_"]] if isinstance(node.get("_target_"), str) else []
+        return own + [t for value in node.values() for t in _targets(value)]
+    return [t for value in node for t in _targets(value)] if isinstance(node, list) else []
+
+
+def test_every_target_in_the_configs_resolves() -> None:
+    """Every ``_target_`` of every config file names something importable, under the installed package names."""
+    import yaml
+    from hydra.utils import get_object
+
+    targets = sorted({t for f in CONF.rglob("*.yaml") for t in _targets(yaml.safe_load(f.read_text()))})
+    assert "lightning_simigrad_recipes.data.digits.DigitsDataModule" in targets
+    for target in targets:
+        assert callable(get_object(target)), target
 
 
 def test_paper_settings_are_the_defaults() -> None:
@@ -176,12 +196,12 @@ def test_bert_tiny_stdlib_smoke_on_the_standard_library(tmp_path: Path) -> None:
     assert (tmp_path / "tokenizer" / "vocab.txt").is_file()  # trained into the run directory, not a cache
 
 
-def test_train_samples_stops_at_the_step_that_reaches_the_budget(tmp_path: Path) -> None:
+def test_a_sample_budget_ends_the_run_on_exactly_that_many_samples(tmp_path: Path) -> None:
     cfg = compose_cfg([
-        "simigrad=off", "train_samples=200", "trainer.max_epochs=5", f"output_dir={tmp_path}", *TINY,
+        "simigrad=off", "simigrad.max_samples=200", "trainer.max_epochs=5", f"output_dir={tmp_path}", *TINY,
     ])  # fmt: skip
     result = train(cfg)
-    assert (result["steps"], result["samples_seen"]) == (13, 208)  # 13 steps of B0 = 16
+    assert (result["steps"], result["samples_seen"]) == (13, 200)  # 12 steps of B0 = 16, then the 8 left
     assert "val/acc1" in result["metrics"]  # validated where it stopped, mid-epoch
 
 
@@ -235,7 +255,12 @@ def test_wandb_offline_run_holds_traces_config_and_image(tmp_path: Path, monkeyp
     assert Path(result["trace_png"]).is_file() and Path(result["trace_csv"]).is_file()
 
     (run_file,) = glob.glob(str(tmp_path / "wb" / "wandb" / "offline-run-*" / "run-*.wandb"))
+    # W&B's service process may still be writing the file when `finish()` returns: wait for its exit record
+    deadline = time.monotonic() + 60
     records = wandb_records(Path(run_file))
+    while not any(r.WhichOneof("record_type") == "exit" for r in records) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        records = wandb_records(Path(run_file))
     rows = [
         {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
         for r in records
@@ -283,3 +308,16 @@ def test_malformed_cifar_batch_is_refused(tmp_path: Path) -> None:
     cfg = compose_cfg(["experiment=resnet18_cifar10", f"data.root={root}", f"output_dir={tmp_path}/run", *TINY])
     with pytest.raises(RecipeError, match="data_batch_3 is not a CIFAR-10 python batch"):
         train(cfg)
+
+
+def test_a_schedule_over_the_fit_runs_once_whatever_the_batch(tmp_path: Path) -> None:
+    # digits, two epochs of 1437 images, B0 = 16: the schedule spans ceil(1437 / 16) x 2 = 180 steps of B0
+    overrides = ["scheduler=warmup_linear", "model.scheduler_interval=step", "trainer.max_epochs=2", "logger=none"]
+    cfg = compose_cfg([*overrides, f"output_dir={tmp_path}", "num_threads=2"])
+    result = train(cfg)
+    with open(result["trace_csv"]) as f:
+        rows = list(csv.DictReader(f))
+    lrs = [float(r["lr"]) / float(r["lr_scale"]) for r in rows]  # the schedule's own value at each step
+    peak = max(lrs)
+    assert len(rows) < 90  # far fewer optimizer steps than the 180 of the fixed batch
+    assert lrs.index(peak) < len(lrs) // 4 and lrs[-1] < 0.05 * peak  # warm-up, then decay to (almost) 0

@@ -1,23 +1,23 @@
-"""``simigrad-train`` as users run it (subprocesses): a multirun sweep, and user errors as one line with exit code 2."""
+"""``simigrad-train`` as users run it: a multirun sweep, ``--help``, a user's experiment beside ours
+(``--config-dir``), and user errors as one line with exit code 2."""
 
 from __future__ import annotations
 
 import csv
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-
 
 def run_cli(*args: str, cwd: Path, timeout: int = 180) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "HYDRA_"))}
-    env.update(PYTHONPATH=str(REPO), WANDB_MODE="offline", WANDB_SILENT="true", OMP_NUM_THREADS="2")
+    env.update(WANDB_MODE="offline", WANDB_SILENT="true", OMP_NUM_THREADS="2")
     return subprocess.run(
-        [sys.executable, "-m", "recipes.train", *args],
+        [sys.executable, "-m", "lightning_simigrad_recipes.train", *args],
         cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
 
@@ -37,6 +37,76 @@ def test_multirun_paper_and_off_gives_two_runs(tmp_path: Path) -> None:
         sizes[name] = {float(r["batch_size"]) for r in rows}
     assert sizes["1_off_seed0"] == {8.0}  # fixed batch B0
     assert "batch-size trace:" in proc.stdout
+
+
+def test_help_lists_the_groups_and_the_shipped_experiments(tmp_path: Path) -> None:
+    from importlib import resources
+
+    from lightning_simigrad_recipes.train import CONFIG_MODULE
+
+    proc = run_cli("--help", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # Hydra lists each group as "group: option, option, ..."
+    groups = dict(line.split(": ", 1) for line in proc.stdout.splitlines() if re.match(r"^\w+: ", line))
+    assert {"experiment", "data", "model", "optimizer", "scheduler", "simigrad", "trainer", "logger", "debug"} <= set(
+        groups
+    )
+    experiments = resources.files(CONFIG_MODULE).joinpath("experiment").iterdir()
+    assert set(groups["experiment"].split(", ")) == {p.name.removesuffix(".yaml") for p in experiments}
+    assert set(groups["simigrad"].split(", ")) == {"paper", "off", "noise_scale"}
+    assert "--config-dir" in proc.stdout
+
+
+# The README's example of user configs, verbatim (test_readme_shows_the_tested_user_configs keeps them in step).
+USER_EXPERIMENT = """\
+# @package _global_
+defaults:
+  - override /simigrad: noise_scale  # ours: jump to B* from the measured noise scale
+  - override /optimizer: adamw       # ours
+  - override /logger: csv            # ours
+  - override /model: wide_cnn        # yours: my_conf/model/wide_cnn.yaml
+name: my_exp
+optimizer:
+  lr: 0.002
+"""
+USER_MODEL = """\
+defaults:
+  - digits_cnn                       # ours, extended
+net:
+  width: 48
+"""
+
+
+def test_user_experiment_in_config_dir_overrides_our_groups(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from lightning_simigrad_recipes.train import main
+
+    (tmp_path / "my_conf" / "experiment").mkdir(parents=True)
+    (tmp_path / "my_conf" / "model").mkdir()
+    (tmp_path / "my_conf" / "experiment" / "my_exp.yaml").write_text(USER_EXPERIMENT)
+    (tmp_path / "my_conf" / "model" / "wide_cnn.yaml").write_text(USER_MODEL)
+    monkeypatch.chdir(tmp_path)  # a relative --config-dir, as a user types it
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")  # main() sets it; keep it from leaking into other tests
+    run_dir = tmp_path / "run"
+    argv = ["--config-dir", "./my_conf", "experiment=my_exp", "debug=smoke", "num_threads=2"]
+    monkeypatch.setattr(sys, "argv", ["simigrad-train", *argv, f"hydra.run.dir={run_dir}"])
+    main()
+    assert "my_exp-noise_scale-seed0" in capsys.readouterr().out
+
+    composed = (run_dir / ".hydra" / "config.yaml").read_text()
+    assert "name: my_exp" in composed and "_target_: torch.optim.AdamW" in composed and "lr: 0.002" in composed
+    assert "controller: noise_scale" in composed
+    assert "width: 48" in composed and "_target_: lightning_simigrad_recipes.models.nets.digits_cnn" in composed
+    with (run_dir / "simigrad_trace.csv").open() as f:
+        assert len(list(csv.DictReader(f))) == 4  # debug=smoke, applied over the user's experiment
+    assert list(run_dir.glob("logs/*/metrics.csv"))  # logger=csv
+
+
+def test_readme_shows_the_tested_user_configs() -> None:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert f"```yaml\n{USER_EXPERIMENT}```" in readme and f"```yaml\n{USER_MODEL}```" in readme
+    assert "simigrad-train --config-dir ./my_conf experiment=my_exp" in readme
 
 
 def _error_line(proc: subprocess.CompletedProcess[str]) -> str:
@@ -70,6 +140,7 @@ def bad_inputs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 CLI_CASES = {
     "unknown experiment": (["experiment=resnet1000"], "Could not find 'experiment/resnet1000'. Available options"),
     "unknown key": (["trainer.max_epoch=3"], "unknown config key 'trainer.max_epoch'"),
+    "missing config dir": (["--config-dir", "{bad}/no_conf", "experiment=mine"], "no_conf is not a folder"),
     "missing data root": (["experiment=resnet18_cifar10", "data.root={bad}/nowhere"], "is not a directory"),
     "missing tokenizer": (
         ["experiment=bert_large_pretrain", "data.files={bad}/text/*.txt", "tokenizer.path={bad}/no-vocab"],
@@ -98,7 +169,7 @@ def test_user_errors_are_one_line_and_exit_2(case: str, bad_inputs: Path, tmp_pa
 def test_main_reports_bad_data_in_one_line(
     case: str, bad_inputs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from recipes.train import main
+    from lightning_simigrad_recipes.train import main
 
     overrides, expected = MAIN_CASES[case]
     monkeypatch.setenv("HYDRA_FULL_ERROR", "1")  # main() sets it; keep it from leaking into other tests

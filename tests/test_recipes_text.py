@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from recipes.data import text
-from recipes.data.text import MaskedTextDataModule, in_validation
+from lightning_simigrad_recipes.data import text
+from lightning_simigrad_recipes.data.text import MaskedTextDataModule, in_validation
 
 WORDS = ["def", "return", "import", "class", "self", "value", "result", "items", "index", "count", "lambda", "yield"]
 

@@ -26,6 +26,7 @@ from lightning_simigrad import SimiGrad
         (dict(target_similarity=0.8, lr_scaling_blend=2.0), "lr_scaling_blend"),
         (dict(target_similarity=0.8, controller="pid"), "controller"),
         (dict(target_similarity=0.8, warmup_steps=-3), "warmup_steps"),
+        (dict(target_similarity=0.8, history_size=-1), "history_size"),
     ],
 )
 def test_bad_arguments_raise_at_construction(kwargs, name):
@@ -82,25 +83,15 @@ def test_fsdp_is_refused():
 
     from lightning.pytorch.strategies import FSDPStrategy
 
-    from lightning_simigrad.callback import _refuse_unsupported
+    from lightning_simigrad.compatibility import refuse_unsupported
 
-    fake_trainer = SimpleNamespace(
-        strategy=FSDPStrategy(), callbacks=[], val_check_interval=1.0, limit_train_batches=1.0
-    )
+    fake_trainer = SimpleNamespace(strategy=FSDPStrategy(), callbacks=[])
     with pytest.raises(RuntimeError, match="FSDPStrategy"):
-        _refuse_unsupported(fake_trainer, Regressor())
+        refuse_unsupported(fake_trainer, Regressor(), max_micro_batch_size=None)
 
 
 def test_gradient_accumulation_scheduler_is_refused():
     fit_expecting_error("GradientAccumulationScheduler", callbacks=[GradientAccumulationScheduler({0: 2})])
-
-
-def test_fractional_validation_interval_is_refused():
-    fit_expecting_error("val_check_interval", val_check_interval=0.5)
-
-
-def test_fractional_train_limit_is_refused():
-    fit_expecting_error("limit_train_batches", limit_train_batches=0.5)
 
 
 def test_iterable_dataset_is_refused():

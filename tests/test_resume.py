@@ -1,6 +1,16 @@
-"""Checkpoints carry SimiGrad's state: a resumed run continues with the same batch size and controller."""
+"""Checkpoints carry SimiGrad's state: a resumed run continues the uninterrupted run step for step, and a
+checkpoint it cannot resume faithfully is refused before the first step.
+
+The uninterrupted run writes a checkpoint after every optimizer step; runs resumed from several of them (in
+the middle of an epoch, in the middle of a window, at an epoch's last step) must log the same rows, train the
+same samples in the same steps and end with bitwise the same weights. The model uses dropout, so this holds
+only if the checkpoint also restores the random generators where the uninterrupted run drew next.
+"""
 
 from __future__ import annotations
+
+import math
+import warnings
 
 import lightning.pytorch as pl
 import pytest
@@ -11,43 +21,191 @@ from torch.utils.data import DataLoader
 
 from lightning_simigrad import SimiGrad
 
+N = 300  # training samples: windows of 16 to 150 make epochs of 6 to 19 steps
 
-def run(tmp_path, max_epochs, ckpt_path=None, every_n_train_steps=None, max_steps=-1):
+
+class StepSamples(pl.Callback):
+    """After SimiGrad: the samples every optimizer step averaged (the micro-batches since the previous step)."""
+
+    def __init__(self) -> None:
+        self.steps: list[list[int]] = []
+        self._consumed = 0
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        micro = pl_module.micro_batches[self._consumed :]
+        self._consumed = len(pl_module.micro_batches)
+        self.steps.append(sorted(i for m in micro for i in m))
+
+
+class SaveInsideWindow(pl.Callback):
+    """Writes ``path`` after the first micro-batch of the window that follows optimizer step ``step``."""
+
+    def __init__(self, path, step: int) -> None:
+        self.path, self.step, self.micro_batches_after = path, step, 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            self.micro_batches_after += 1  # the first is the micro-batch that stepped
+            if self.micro_batches_after == 2:
+                trainer.save_checkpoint(self.path)
+
+
+def run(root, ckpt_path=None, workers=0, max_epochs=2, n=N, callbacks=(), scheduler=False):
     pl.seed_everything(0)
-    model = Regressor()
+    model = Regressor(scheduler=scheduler, dropout=0.2)  # its steps draw random numbers: the checkpoint keeps them
     cb = SimiGrad(target_similarity=0.9, smoothing=0.5, max_batch_size=150)
-    checkpoint = ModelCheckpoint(
-        dirpath=tmp_path, save_last=True, save_top_k=-1, every_n_train_steps=every_n_train_steps
+    steps = StepSamples()
+    every_step = ModelCheckpoint(dirpath=root, filename="{step}", save_top_k=-1, every_n_train_steps=1, save_last=True)
+    t = trainer(callbacks=[cb, every_step, steps, *callbacks], max_epochs=max_epochs, enable_checkpointing=True)
+    loader = DataLoader(
+        IndexedRegression(n), batch_size=16, shuffle=True, num_workers=workers, persistent_workers=workers > 0
     )
-    t = trainer(callbacks=[cb, checkpoint], max_epochs=max_epochs, max_steps=max_steps, enable_checkpointing=True)
-    t.fit(model, DataLoader(IndexedRegression(300), batch_size=16, shuffle=True), ckpt_path=ckpt_path)
-    return t, cb, model
+    t.fit(model, loader, ckpt_path=ckpt_path)
+    return cb, steps.steps, model
 
 
+def rows(history) -> list[str]:
+    return [repr(sorted(h.items())) for h in history]  # repr: NaN compares equal to NaN
+
+
+def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    assert all(torch.equal(p, q) for p, q in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_resumed_run_reproduces_the_uninterrupted_run_step_for_step(tmp_path, workers):
+    whole, whole_steps, whole_model = run(tmp_path / "whole", workers=workers)
+    epoch_end = next(k for k, h in enumerate(whole.history, 1) if h["samples_seen"] == N)
+    assert 4 < epoch_end < len(whole.history) - 2
+    for k in (4, epoch_end, epoch_end + 2):  # mid-epoch, after an epoch's last step, early in the next epoch
+        checkpoint = tmp_path / "whole" / f"step={k}.ckpt"
+        resumed, steps, model = run(tmp_path / f"from{k}", ckpt_path=checkpoint, workers=workers)
+        # the same batch sizes, similarities, learning rates, noise scales ... from step k on
+        assert rows(resumed.history) == rows(whole.history[k:]), k
+        assert steps == whole_steps[k:]  # every step averaged the same samples
+        assert_same_weights(model, whole_model)
+    assert len({h["batch_size"] for h in whole.history}) > 5  # the batch moved: the trajectory was at stake
+
+
+@pytest.mark.timeout(300)
+def test_a_checkpoint_written_inside_a_window_retrains_that_window_from_its_start(tmp_path):
+    inside = tmp_path / "inside.ckpt"
+    whole, whole_steps, whole_model = run(tmp_path / "whole", callbacks=[SaveInsideWindow(inside, step=5)])
+    checkpoint = torch.load(inside, weights_only=False)
+    state = checkpoint["callbacks"]["SimiGrad"]
+    assert state["steps"] == 5 and state["planned"][0] == whole.history[5]["batch_size"]
+    assert checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"]["completed"] == sum(
+        h["accumulation"] for h in whole.history[:5]
+    )  # written one micro-batch into window 5 (Lightning counts it completed only after its hooks)
+    resumed, steps, model = run(tmp_path / "resumed", ckpt_path=inside)
+    # the half-trained window's samples count once, in the step that commits them after the resume
+    assert rows(resumed.history) == rows(whole.history[5:])
+    assert steps == whole_steps[5:]
+    assert_same_weights(model, whole_model)
+
+
+@pytest.mark.timeout(300)
 def test_resume_at_an_epoch_end_continues_the_same_run(tmp_path):
-    _, whole, _ = run(tmp_path / "whole", max_epochs=4)
-    first, part, _ = run(tmp_path / "part", max_epochs=2)
+    whole, _, _ = run(tmp_path / "whole", max_epochs=4)
+    part, _, _ = run(tmp_path / "part", max_epochs=2)
     state = torch.load(tmp_path / "part" / "last.ckpt", weights_only=False)["callbacks"]["SimiGrad"]
     assert state["batch_size"] == part.batch_size
-    assert state["samples_seen"] == 600
+    assert state["samples_seen"] == 2 * N
     assert state["controller"] == part.controller.state_dict()
-    t, resumed, _ = run(tmp_path / "part", max_epochs=4, ckpt_path=tmp_path / "part" / "last.ckpt")
-    assert resumed.history[0]["samples_seen"] == 600 + resumed.history[0]["batch_size"]
-    # the same batch sizes, similarities and learning-rate factors as the uninterrupted run
-    combined = part.history + resumed.history
-    assert [h["batch_size"] for h in combined] == [h["batch_size"] for h in whole.history]
-    assert [h["similarity"] for h in combined] == pytest.approx([h["similarity"] for h in whole.history])
-    a, b = resumed.controller.state_dict(), whole.controller.state_dict()
-    assert a.keys() == b.keys()
-    for key in a:
-        assert a[key] == pytest.approx(b[key])
+    resumed, _, _ = run(tmp_path / "part", max_epochs=4, ckpt_path=tmp_path / "part" / "last.ckpt")
+    assert rows(part.history + resumed.history) == rows(whole.history)
+    assert resumed.controller.state_dict() == whole.controller.state_dict()
 
 
-def test_resume_mid_epoch_feeds_the_rest_of_the_epoch_exactly(tmp_path):
-    _, part, model = run(tmp_path, max_epochs=1, every_n_train_steps=4, max_steps=4)
-    before = [i for m in model.micro_batches for i in m]
-    assert len(before) < 300
-    t, resumed, model = run(tmp_path, max_epochs=1, ckpt_path=tmp_path / "last.ckpt")
-    after = [i for m in model.micro_batches for i in m]
-    assert sorted(before + after) == list(range(300))  # no sample twice, none lost
-    assert resumed.history[0]["samples_seen"] == len(before) + resumed.history[0]["batch_size"]
+# ---------------------------------------------------------------------------------------------- honest checkpoints
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """A fit's checkpoints: ``step=4.ckpt`` is in the middle of the first epoch."""
+    root = tmp_path_factory.mktemp("source")
+    run(root, max_epochs=1)
+    return root
+
+
+def resume_with_state(tmp_path, source, change):
+    checkpoint = torch.load(source, weights_only=False)
+    change(checkpoint["callbacks"])
+    path = tmp_path / "changed.ckpt"
+    torch.save(checkpoint, path)
+    pl.seed_everything(0)
+    model = Regressor(dropout=0.2)
+    t = trainer(callbacks=[SimiGrad(target_similarity=0.9)], max_epochs=1)
+    t.fit(model, DataLoader(IndexedRegression(N), batch_size=16, shuffle=True), ckpt_path=path)
+    return model
+
+
+def set_field(name, value):
+    def change(callbacks):
+        state, *path = callbacks["SimiGrad"], *name.split(".")
+        for key in path[:-1]:
+            state = state[key]
+        state[path[-1]] = value
+
+    return change
+
+
+def drop_field(name):
+    return lambda callbacks: callbacks["SimiGrad"].pop(name)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (set_field("format_version", 99), "`format_version` 99; this lightning_simigrad reads format 1. Upgrade"),
+        (drop_field("format_version"), "has no `format_version`"),
+        (set_field("batch_size", -3), "`batch_size` = -3, which must be a positive int"),
+        (drop_field("controller"), "lacks `controller`"),
+        (set_field("controller.size", math.nan), "`controller.size` = nan"),
+        (set_field("planned", ["16"]), "`planned` = \\['16'\\], which must be a list of positive ints"),
+        (set_field("epoch_samples_done", 10**6), "inconsistent: `epoch_samples_done` \\(1000000\\) exceeds"),
+        (lambda callbacks: callbacks.update(SimiGrad=[1, 2]), "is a `list`, not a dict"),
+    ],
+    ids=["newer", "unversioned", "negative", "missing", "nan", "wrong-type", "inconsistent", "not-a-dict"],
+)
+def test_a_malformed_or_incompatible_state_is_refused_before_training(tmp_path, checkpoints, change, message):
+    model = Regressor()
+    with pytest.raises(ValueError, match=message) as info:
+        model = resume_with_state(tmp_path, checkpoints / "step=4.ckpt", change)
+    assert "changed.ckpt" in str(info.value)  # names the file
+    assert model.micro_batches == []  # no step trained
+
+
+@pytest.mark.timeout(300)
+def test_a_mid_epoch_checkpoint_of_another_training_set_is_refused(checkpoints):
+    pl.seed_everything(0)
+    model = Regressor(dropout=0.2)
+    t = trainer(callbacks=[SimiGrad(target_similarity=0.9)], max_epochs=1)
+    loader = DataLoader(IndexedRegression(N - 10), batch_size=16, shuffle=True)
+    with pytest.raises(ValueError, match="epoch 0 of a training set of 300 samples; this fit's training set has 290"):
+        t.fit(model, loader, ckpt_path=checkpoints / "step=4.ckpt")
+    assert model.micro_batches == []
+
+
+@pytest.mark.timeout(300)
+def test_a_checkpoint_without_simigrad_state_resumes_at_b0_with_one_warning(tmp_path):
+    pl.seed_everything(0)
+    plain = trainer(
+        callbacks=[ModelCheckpoint(dirpath=tmp_path, save_last=True)], max_epochs=1, enable_checkpointing=True
+    )
+    plain.fit(Regressor(scheduler=True), DataLoader(IndexedRegression(N), batch_size=16, shuffle=True))
+    plain_steps = plain.global_step  # 19 steps of 16 samples
+    restored_lr = plain.lr_scheduler_configs[0].scheduler.get_last_lr()[0]
+
+    model = Regressor(scheduler=True)
+    cb = SimiGrad(target_similarity=0.9, max_batch_size=150)
+    t = trainer(callbacks=[cb], max_epochs=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t.fit(model, DataLoader(IndexedRegression(N), batch_size=16, shuffle=True), ckpt_path=tmp_path / "last.ckpt")
+    assert len([w for w in caught if "has no SimiGrad state" in str(w.message)]) == 1
+    first = cb.history[0]
+    assert first["batch_size"] == 16 and first["step"] == plain_steps  # B0, counted on from the checkpoint
+    assert first["samples_seen"] == (plain_steps + 1) * 16
+    assert first["lr"] == pytest.approx(restored_lr)  # the restored schedule continues where it was
+    assert sorted(i for m in model.micro_batches for i in m) == list(range(N))  # the second epoch, once each

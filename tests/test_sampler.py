@@ -6,6 +6,7 @@ import pytest
 from torch.utils.data import RandomSampler, SequentialSampler, WeightedRandomSampler
 
 from lightning_simigrad import AdaptiveBatchSampler, WindowSchedule
+from lightning_simigrad.sampler import ResumePoint
 
 DATA = list(range(103))
 
@@ -49,9 +50,35 @@ def test_drop_last_drops_only_a_tail_smaller_than_the_window():
 def test_a_resume_offset_skips_exactly_the_completed_windows():
     (whole,) = rank_samplers(1)
     (resumed,) = rank_samplers(1)
-    resumed.schedule.resume_from = (0, 40)
+    resumed.schedule.resume_from = ResumePoint(0, 40)
     order = [i for m in whole for i in m]
     assert [i for m in resumed for i in m] == order[40:]
+
+
+def test_a_resume_plans_the_pending_windows_before_the_current_batch_size():
+    (resumed,) = rank_samplers(1, batch_size=20)
+    resumed.schedule.resume_from = ResumePoint(0, 10, planned=(7, 12))
+    list(resumed)
+    # 103 - 10 = 93 samples: the two windows planned before the checkpoint, then windows of 20, a tail of 14
+    assert [w.total for w in resumed.schedule.current.windows] == [7, 12, 20, 20, 20, 14]
+    assert list(resumed.schedule.current.requests) == [7, 12, 20, 20, 20, 20]
+
+
+def test_the_plan_keeps_only_windows_training_has_not_finished():
+    (sampler,) = rank_samplers(1, batch_size=20, micro=10)
+    batches = iter(sampler)
+    next(batches)  # the sampler starts a window of 20 in 2 micro-batches of 10
+    plan = sampler.schedule.current
+    assert plan.pending == [20]
+    assert not plan.inside_window  # planned, not started
+    plan.next_micro_batch(), plan.next_micro_batch()  # training feeds both micro-batches
+    assert plan.inside_window
+    plan.commit()  # ... and steps
+    assert plan.pending == [] and not plan.inside_window
+    next(batches), next(batches)  # the DataLoader draws the next window ahead
+    assert plan.pending == [20]
+    window, micro = plan.next_micro_batch()
+    assert (window.total, micro, len(plan.windows)) == (20, 0, 1)  # the trained window is dropped
 
 
 def test_the_sampler_has_no_length():

@@ -11,8 +11,8 @@ import torch
 from torch.utils.data import Dataset
 from torchvision.transforms import v2
 
-from recipes.data.base import RecipeDataModule
-from recipes.errors import RecipeError
+from lightning_simigrad_recipes.data.base import RecipeDataModule
+from lightning_simigrad_recipes.errors import RecipeError
 
 TRAIN_FILES = [f"data_batch_{i}" for i in range(1, 6)]
 TEST_FILE = "test_batch"

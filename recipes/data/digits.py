@@ -9,7 +9,7 @@ from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from torch.utils.data import TensorDataset
 
-from recipes.data.base import RecipeDataModule
+from lightning_simigrad_recipes.data.base import RecipeDataModule
 
 
 class DigitsDataModule(RecipeDataModule):

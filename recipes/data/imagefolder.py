@@ -10,8 +10,8 @@ from PIL import Image, UnidentifiedImageError
 from torchvision import datasets
 from torchvision.transforms import v2
 
-from recipes.data.base import RecipeDataModule
-from recipes.errors import RecipeError
+from lightning_simigrad_recipes.data.base import RecipeDataModule
+from lightning_simigrad_recipes.errors import RecipeError
 
 # ImageNet channel statistics, as in torchvision's reference scripts.
 MEAN = (0.485, 0.456, 0.406)

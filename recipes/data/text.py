@@ -30,9 +30,9 @@ import torch
 from torch.utils.data import Dataset, default_collate
 from transformers import DataCollatorForLanguageModeling, PreTrainedTokenizerFast
 
-from recipes.data.base import RecipeDataModule
-from recipes.data.tokenizer import build_tokenizer, load_tokenizer
-from recipes.errors import RecipeError
+from lightning_simigrad_recipes.data.base import RecipeDataModule
+from lightning_simigrad_recipes.data.tokenizer import build_tokenizer, load_tokenizer
+from lightning_simigrad_recipes.errors import RecipeError
 
 SOURCES = ("files", "stdlib", "pydoc")
 SPLITS = ("tail", "documents")

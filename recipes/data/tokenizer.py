@@ -10,7 +10,7 @@ from pathlib import Path
 from tokenizers import BertWordPieceTokenizer
 from transformers import BertTokenizerFast, PreTrainedTokenizerFast
 
-from recipes.errors import RecipeError
+from lightning_simigrad_recipes.errors import RecipeError
 
 SPECIAL_TOKENS = {
     "unk_token": "[UNK]",

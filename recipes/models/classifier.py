@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
-from recipes.models.common import OptimizerFactory, SchedulerFactory, configure
+from lightning_simigrad_recipes.models.common import OptimizerFactory, SchedulerFactory, configure
 
 
 class ImageClassifier(pl.LightningModule):

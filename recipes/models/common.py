@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -38,6 +39,11 @@ def configure(
     opt = optimizer(param_groups(module, decay_norm_and_bias))
     if scheduler is None:
         return opt
-    # SimiGrad changes the number of optimizer steps per epoch, so epoch-based schedules (the
-    # default of the CNN recipes) keep their meaning; step-based ones count optimizer steps.
-    return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler(opt), "interval": interval}}
+    # Epoch-interval schedules (the CNN recipes') keep their meaning whatever the batch; a schedule over
+    # the whole fit (recipes/schedules.py) takes its length in steps of B0 from the Trainer, and SimiGrad
+    # advances step-interval schedules by the samples each step trains.
+    if "total_steps" in inspect.signature(scheduler).parameters:
+        schedule = scheduler(opt, total_steps=module.trainer.estimated_stepping_batches)  # type: ignore[attr-defined]
+    else:
+        schedule = scheduler(opt)
+    return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule, "interval": interval}}

@@ -1,0 +1,646 @@
+"""Check lightning_simigrad on this machine's GPUs: one command, a pass/fail table with figures.
+
+    python benchmarks/gpu_check.py           # every check this node's GPUs allow (about 5 minutes on 8 GPUs)
+    python benchmarks/gpu_check.py --quick   # small models, few steps: a one-minute smoke run
+
+With one GPU:
+- the one-process measurement (the window's halves) equals a float64 reference, in fp32, ``16-mixed``
+  (with a GradScaler) and ``bf16-mixed``;
+- step time of ``SimiGrad(adjust=False)`` against plain accumulation through Lightning, for a torchvision
+  ResNet-50 at micro-batch 64 and a BERT-base masked LM (from a config, no weights) at micro-batch 32
+  (goal <= 1.02), and the peak extra memory.
+
+With two GPUs or more (NCCL), in one group of every GPU, for every W from 2 to the number of GPUs (DDP on a
+subgroup): per-step gradients bitwise equal to plain DDP, statistics equal to a float64 reference gathered
+from every rank, one host synchronisation in ``collect()`` and none in the hook; the stream race provoked
+deliberately (the measurement stream held back by ``torch.cuda._sleep`` while the backward scribbles NaN
+into fresh allocations) and shown harmless; a soak of measured steps with many small buckets; the DDP step
+time against plain DDP and against the paper's communication pattern.
+
+Without a GPU it says so in one line and exits 0. ``tests/test_gpu_check.py`` runs the same code with
+``device="cpu"`` (gloo, small sizes), so the GPU paths cannot wait for a GPU to show a typo.
+Exit code: 1 if a correctness check failed; performance goals are reported as MET or MISSED.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import datetime
+import multiprocessing
+import os
+import queue
+import socket
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # ddp_overhead, beside this file
+from ddp_overhead import PaperPattern  # noqa: E402
+
+from lightning_simigrad import _ddp_hook  # noqa: E402
+from lightning_simigrad.ddp_measurement import RankGroupMeasurement  # noqa: E402
+from lightning_simigrad.window_measurement import WindowHalvesMeasurement  # noqa: E402
+
+START_METHOD = "forkserver"  # CUDA needs a fresh process; the server imports torch once for all ranks
+# Relative error allowed against the float64 references: DDP's mean gradient is rounded to float32 and, on
+# CPU, chunk products are float32 (a race or a lost bucket shows as an error of order 1, or NaN).
+TOLERANCE = 1e-5
+
+
+@dataclass
+class Row:
+    check: str
+    status: str  # PASS / FAIL, or MET / MISSED for a performance goal
+    figure: str
+
+
+# ----------------------------------------------------------------------------------- shared helpers
+
+
+class HostSyncs:
+    """Counts host synchronisations: CUDA's sync-debug warnings on a GPU, tensor reads to Python on CPU."""
+
+    NAMES = ("item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__")
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.count = 0
+
+    def __enter__(self) -> HostSyncs:
+        if self.device.type == "cuda":
+            self._caught = warnings.catch_warnings(record=True)
+            self._records = self._caught.__enter__()
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+        else:
+            self._saved = {name: getattr(torch.Tensor, name) for name in self.NAMES}
+            for name, method in self._saved.items():
+                setattr(torch.Tensor, name, self._counting(method))
+        return self
+
+    def _counting(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            self.count += 1
+            return method(tensor, *args, **kwargs)
+
+        return counted
+
+    def __exit__(self, *exc: object) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
+            self.count = sum("synchroniz" in str(r.message) for r in self._records)
+            self._caught.__exit__(*exc)
+        else:
+            for name, method in self._saved.items():
+                setattr(torch.Tensor, name, method)
+
+
+def reference_stats(local_grad: torch.Tensor, counts: list[int], group: Any = None) -> tuple[float, float, float]:
+    """(g_A.g_B, |g_A|^2, |g_B|^2) from every rank's local weighted gradient, gathered and combined in float64."""
+    world = dist.get_world_size(group)
+    gathered = [torch.empty_like(local_grad, dtype=torch.float64) for _ in range(world)]
+    dist.all_gather(gathered, local_grad.to(torch.float64), group=group)
+    size_a, total = world // 2, sum(counts)
+    n_a, n_b = sum(counts[:size_a]), sum(counts[size_a:])
+    g_a = total / (world * n_a) * torch.stack(gathered[:size_a]).sum(0)
+    g_b = total / (world * n_b) * torch.stack(gathered[size_a:]).sum(0)
+    return float(g_a @ g_b), float(g_a @ g_a), float(g_b @ g_b)
+
+
+def run_window(model: nn.Module, micro: list[tuple[torch.Tensor, torch.Tensor]], counts: list[int], world: int) -> None:
+    """Accumulate one window, each loss weighted by W n_micro / N; under DDP ``no_sync`` but the last."""
+    total = sum(counts)
+    for i, (x, y) in enumerate(micro):
+        accumulate = isinstance(model, DDP) and i < len(micro) - 1
+        with model.no_sync() if accumulate else contextlib.nullcontext():  # type: ignore[operator]
+            loss = nn.functional.mse_loss(model(x), y) * (world * x.shape[0] / total)
+            loss.backward()
+
+
+def flat_grad(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+
+
+def agrees(stats: Any, reference: tuple[float, float, float]) -> float:
+    """The largest relative error of ``stats`` against ``reference`` (the dot relative to |g_A| |g_B|)."""
+    dot, sq_a, sq_b = reference
+    scale = (sq_a * sq_b) ** 0.5
+    return max(abs(stats.dot - dot) / scale, abs(stats.sq_a - sq_a) / sq_a, abs(stats.sq_b - sq_b) / sq_b)
+
+
+# ----------------------------------------------------------------------------------- one process
+
+
+def check_one_process(device: str) -> list[Row]:
+    """The window-halves measurement on ``device`` against float64 products of the halves, per precision."""
+    rows = []
+    for precision in ("32", "16-mixed", "bf16-mixed"):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 8)).to(device)
+        params = list(net.parameters())
+        dtype = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(precision)
+        scaler = torch.amp.GradScaler(device, init_scale=1024.0) if precision == "16-mixed" else None
+        halves, sizes = WindowHalvesMeasurement(), [16, 16, 8, 24]
+        copies = []
+        for j, n in enumerate(sizes):
+            x, y = torch.randn(n, 64, device=device), torch.randn(n, 8, device=device)
+            with torch.autocast(device_type=torch.device(device).type, dtype=dtype, enabled=dtype is not None):
+                loss = nn.functional.mse_loss(net(x).float(), y) * (n / sum(sizes))
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+            if j in (1, 3):  # the reference keeps its own copy of each half (the measurement keeps none)
+                copies.append([p.grad.detach().to(torch.float64).clone() for p in params])
+            if j == 1:
+                halves.set_aside(params)
+        inv_scale = scaler._get_scale_async().reciprocal() if scaler is not None else 1.0  # a tensor: one read
+        stats = halves.combine(params, 32, 32, inv_scale=inv_scale)
+        s, r = (torch.cat([g.reshape(-1) for g in half]) for half in copies)
+        f = 2.0 * (float(1.0 / scaler.get_scale()) if scaler is not None else 1.0)  # g_A = (N / n_A) s, unscaled
+        reference = (float(s @ r) * f * f, float(s @ s) * f * f, float(r @ r) * f * f)
+        error = agrees(stats, reference)
+        ok = error < TOLERANCE and stats.is_finite
+        rows.append(
+            Row(
+                f"one process, {precision}: statistics = float64 reference",
+                "PASS" if ok else "FAIL",
+                f"rel. error {error:.1e}",
+            )
+        )
+    return rows
+
+
+def check_step_time(device: str, quick: bool) -> list[Row]:
+    """SimiGrad(adjust=False) against plain accumulation through Lightning, ResNet-50 and BERT-base."""
+    rows = []
+    threads = torch.get_num_threads()
+    if device == "cpu":  # on a shared CPU, intra-op threads oversubscribe the cores (20x slower here)
+        torch.set_num_threads(1)
+    try:
+        measured = {name: _lightning_step_times(name, device, quick) for name in ("resnet50", "bert_base")}
+    finally:
+        torch.set_num_threads(threads)
+    for name, (times, peaks, params) in measured.items():
+        ratio = statistics.median(times["simigrad"]) / statistics.median(times["plain"])
+        figure = (
+            f"{statistics.median(times['plain']) * 1e3:.1f} / {statistics.median(times['simigrad']) * 1e3:.1f} ms"
+            f" per step, ratio {ratio:.3f}"
+        )
+        rows.append(
+            Row(f"{name}: step time SimiGrad / plain (goal <= 1.02)", "MET" if ratio <= 1.02 else "MISSED", figure)
+        )
+        if peaks:
+            extra = max(peaks["simigrad"]) - max(peaks["plain"])
+            gradient = params * 4
+            rows.append(
+                Row(
+                    f"{name}: peak extra memory (bound: one gradient)",
+                    "PASS" if extra <= gradient + 64 * 2**20 else "FAIL",
+                    f"{extra / 2**20:.0f} MiB = {extra / gradient:.2f} x the gradient",
+                )
+            )
+    return rows
+
+
+def _lightning_step_times(
+    name: str, device: str, quick: bool
+) -> tuple[dict[str, list[float]], dict[str, list[int]], int]:
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_simigrad import SimiGrad
+
+    cuda = device == "cuda"
+    micro, window = (2, 2) if quick else ((64, 4) if name == "resnet50" else (32, 4))
+    if name == "resnet50":
+        import torchvision
+
+        side = 32 if quick else 224
+        model: nn.Module = torchvision.models.resnet50(num_classes=10 if quick else 1000)
+        data = TensorDataset(
+            torch.randn(micro * window * 8, 3, side, side), torch.randint(0, 10, (micro * window * 8,))
+        )
+
+        def loss_of(module: nn.Module, batch: Any) -> torch.Tensor:
+            return nn.functional.cross_entropy(module(batch[0]), batch[1])
+    else:
+        from transformers import BertConfig, BertForMaskedLM
+
+        config = (
+            BertConfig(
+                hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, vocab_size=1000
+            )
+            if quick
+            else BertConfig()
+        )
+        model = BertForMaskedLM(config)
+        length = 16 if quick else 128
+        tokens = torch.randint(0, config.vocab_size, (micro * window * 8, length))
+        data = TensorDataset(tokens, tokens.clone())
+
+        def loss_of(module: nn.Module, batch: Any) -> torch.Tensor:
+            return module(input_ids=batch[0], labels=batch[1]).loss
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = copy.deepcopy(model)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return loss_of(self.model, batch)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=1e-4)
+
+    class StepClock(pl.Callback):
+        def __init__(self) -> None:
+            self.stamps: list[float] = []
+
+        def on_before_zero_grad(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+            if cuda:
+                torch.cuda.synchronize()
+            self.stamps.append(time.perf_counter())
+
+    warmup, timed = (1, 2) if quick else (3, 12)
+    times: dict[str, list[float]] = {"plain": [], "simigrad": []}
+    peaks: dict[str, list[int]] = {"plain": [], "simigrad": []}
+    for variant in ("plain", "simigrad", "plain", "simigrad")[: 2 if quick else 4]:
+        clock = StepClock()
+        callbacks: list[Any] = [clock]
+        if variant == "simigrad":
+            callbacks.append(
+                SimiGrad(
+                    target_similarity=0.8, adjust=False, initial_batch_size=micro * window, max_micro_batch_size=micro
+                )
+            )
+        trainer = pl.Trainer(
+            accelerator="gpu" if cuda else "cpu",
+            devices=1,
+            precision="bf16-mixed" if cuda else "32-true",
+            max_steps=warmup + timed + 1,
+            accumulate_grad_batches=window if variant == "plain" else 1,
+            callbacks=callbacks,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        trainer.fit(Module(), DataLoader(data, batch_size=micro, shuffle=True))
+        if cuda:
+            peaks[variant].append(torch.cuda.max_memory_allocated())
+        steps = [b - a for a, b in zip(clock.stamps, clock.stamps[1:])]
+        times[variant].extend(steps[warmup:])
+    return times, (peaks if cuda else {}), sum(p.numel() for p in model.parameters())
+
+
+# ----------------------------------------------------------------------------------- DDP, one group of n
+
+
+class _Scribble(torch.autograd.Function):
+    """Identity forward; its backward allocates fresh memory and fills it with NaN (on the backward's
+    stream), so that any block the measurement freed too early would be handed out and overwritten."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        for numel in (1, 4, 64, 4096, 1 << 16):
+            torch.full((numel,), float("nan"), dtype=torch.float64, device=grad.device)
+            torch.full((numel,), float("nan"), dtype=grad.dtype, device=grad.device)
+        return grad
+
+
+class _Net(nn.Module):
+    def __init__(self, width: int, scribble: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(
+            [nn.Linear(8, width), nn.Linear(width, width), nn.Linear(width, width), nn.Linear(width, 4)]
+        )
+        self.scribble = scribble
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = torch.tanh(_Scribble.apply(x) if self.scribble else x)
+        return x
+
+
+def _batches(rank: int, seed: int, counts: list[int], device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    n = counts[rank]
+    gen = torch.Generator().manual_seed(1000 * seed + rank)
+    x = torch.randn(n, 8, generator=gen)
+    y = torch.randn(n, 4, generator=gen) + 3.0 * torch.sin(x[:, :4])  # correlated ranks: similarity well above 0
+    sizes = [n // 3, n // 3, n - 2 * (n // 3)]
+    out, start = [], 0
+    for size in sizes:
+        out.append((x[start : start + size].to(device), y[start : start + size].to(device)))
+        start += size
+    return out
+
+
+def _exactness(
+    rank: int, world: int, group: Any, device: torch.device, width: int, windows: int, scribble: bool
+) -> dict[str, float]:
+    """Plain DDP and measured DDP side by side on ``group``: bitwise gradients, reference statistics, syncs."""
+    base = _Net(width, scribble).to(device)
+    device_ids = [device.index] if device.type == "cuda" else None
+    plain = DDP(copy.deepcopy(base), device_ids=device_ids, process_group=group, bucket_cap_mb=0.001)
+    hooked = DDP(copy.deepcopy(base), device_ids=device_ids, process_group=group, bucket_cap_mb=0.001)
+    local = copy.deepcopy(base)
+    measurement = RankGroupMeasurement(process_group=group)
+    measurement.register(hooked)
+    optimizer = torch.optim.SGD(plain.parameters(), lr=0.05)
+    worst, mismatched, syncs_hook, syncs_collect = 0.0, 0, 0, 0
+    for window in range(windows):
+        armed = window % 3 != 1  # every third window unarmed: plain averaging
+        counts = [6 + r + window % 2 for r in range(world)]
+        micro = _batches(rank, window, counts, device)
+        for model in (plain, hooked, local):
+            model.zero_grad(set_to_none=True)
+        with HostSyncs(device) as plain_syncs:  # what DDP itself costs, to subtract
+            run_window(plain, micro, counts, world)
+        run_window(local, micro, counts, world)
+        if armed:
+            measurement.arm(counts)
+        with HostSyncs(device) as hook_syncs:
+            run_window(hooked, micro, counts, world)
+        mismatched += sum(not torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), hooked.parameters()))
+        with HostSyncs(device) as collect_syncs:
+            stats = measurement.collect()
+        reference = reference_stats(flat_grad(local), counts, group)
+        if armed:
+            worst = max(worst, agrees(stats, reference))
+            syncs_collect = max(syncs_collect, collect_syncs.count)
+            if window >= 2:  # after DDP's bucket rebuild
+                syncs_hook = max(syncs_hook, hook_syncs.count - plain_syncs.count)
+        optimizer.step()
+        with torch.no_grad():
+            for a, b, c in zip(plain.parameters(), hooked.parameters(), local.parameters()):
+                b.copy_(a)
+                c.copy_(a)
+    measurement.close()
+    return {"mismatched": mismatched, "error": worst, "syncs_hook": syncs_hook, "syncs_collect": syncs_collect}
+
+
+def _soak(rank: int, world: int, device: torch.device, steps: int) -> dict[str, float]:
+    """Many measured steps with many small buckets: finite, identical on every rank, the reference now and then."""
+    base = _Net(256).to(device)
+    model = DDP(copy.deepcopy(base), device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=0.01)
+    local = copy.deepcopy(base)
+    measurement = RankGroupMeasurement()
+    measurement.register(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    start, bad, worst = time.perf_counter(), 0, 0.0
+    for step in range(steps):
+        counts = [8] * world
+        micro = _batches(rank, step, counts, device)
+        model.zero_grad(set_to_none=True)
+        measurement.arm(counts)
+        run_window(model, micro, counts, world)
+        stats = measurement.collect()
+        mine = torch.tensor([stats.dot, stats.sq_a, stats.sq_b], dtype=torch.float64, device=device)
+        everyone = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(everyone, mine)
+        bad += int(not stats.is_finite or not all(torch.equal(mine, other) for other in everyone))
+        if step % 50 == 0 or step == steps - 1:
+            local.load_state_dict({k.removeprefix("module."): v for k, v in model.state_dict().items()})
+            local.zero_grad(set_to_none=True)
+            run_window(local, micro, counts, world)
+            worst = max(worst, agrees(stats, reference_stats(flat_grad(local), counts)))
+        optimizer.step()
+    measurement.close()
+    return {"bad": bad, "error": worst, "seconds": time.perf_counter() - start, "steps": steps}
+
+
+def _ddp_times(
+    rank: int, world: int, device: torch.device, width: int, micro_batch: int, rounds: int
+) -> dict[str, float]:
+    """Step time of plain DDP (a), DDP + the measurement (b), the paper's pattern (c), alternated."""
+    models = {
+        name: DDP(_Net(width).to(device), device_ids=[device.index] if device.type == "cuda" else None)
+        for name in "abc"
+    }
+    optimizers = {name: torch.optim.SGD(m.parameters(), lr=1e-5) for name, m in models.items()}
+    measurement = RankGroupMeasurement()
+    measurement.register(models["b"])
+    paper = PaperPattern(world, rank)
+    models["c"].register_comm_hook(state=None, hook=paper.hook)
+    counts = [micro_batch * 4] * world
+    micro = [(torch.randn(micro_batch, 8, device=device), torch.randn(micro_batch, 4, device=device)) for _ in range(4)]
+
+    def step(name: str) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dist.barrier()
+        begin = time.perf_counter()
+        models[name].zero_grad(set_to_none=True)
+        if name == "b":
+            measurement.arm(counts)
+        run_window(models[name], micro, counts, world)
+        if name == "b":
+            measurement.collect()
+        elif name == "c":
+            paper.after_backward()
+        optimizers[name].step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dist.barrier()
+        return time.perf_counter() - begin
+
+    for name in "abcabc":
+        step(name)
+    times: dict[str, list[float]] = {name: [] for name in "abc"}
+    for r in range(rounds):
+        for name in ("abc", "bca", "cab")[r % 3]:
+            times[name].append(step(name))
+    measurement.close()
+    return {
+        "a": statistics.median(times["a"]),
+        "b/a": statistics.median(b / a for a, b in zip(times["a"], times["b"])),
+        "c/a": statistics.median(c / a for a, c in zip(times["a"], times["c"])),
+    }
+
+
+def _ddp_worker(rank: int, world: int, port: int, device_type: str, quick: bool, out: Any) -> None:
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    cuda = device_type == "cuda"
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(1)
+    timeout = datetime.timedelta(seconds=60 if quick else 120)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world, timeout=timeout)
+    results: dict[str, Any] = {}
+
+    def publish() -> None:  # after every phase, so that a later hang still leaves the earlier rows
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, results)
+        if rank == 0:
+            out.put(gathered)
+
+    try:
+        for w in range(2, world + 1):  # every rank creates every subgroup, in the same order
+            group = dist.new_group(list(range(w)))
+            if rank < w:
+                results[f"exact W={w}"] = _exactness(rank, w, group, device, 32, 8 if quick else 12, scribble=False)
+            dist.barrier()
+        publish()
+        _ddp_hook.callback_delay = (lambda: torch.cuda._sleep(20_000_000)) if cuda else (lambda: time.sleep(0.002))
+        results["race"] = _exactness(rank, world, None, device, 64, 4 if quick else 20, scribble=True)
+        _ddp_hook.callback_delay = None
+        results["soak"] = _soak(rank, world, device, 12 if quick else 300)
+        publish()
+        width, micro_batch = (64, 8) if quick else (4096, 256)
+        # last: the paper's pattern drives two communicators at once, which NCCL may deadlock on
+        results["times"] = _ddp_times(rank, world, device, width, micro_batch, 3 if quick else 15)
+        publish()
+    finally:
+        dist.destroy_process_group()
+
+
+def check_ddp(device: str, world: int, quick: bool, deadline_s: float = 420.0) -> list[Row]:
+    context = multiprocessing.get_context(START_METHOD)
+    context.set_forkserver_preload(["torch", "lightning_simigrad.ddp_measurement"])
+    out = context.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    processes = [
+        context.Process(target=_ddp_worker, args=(rank, world, port, device, quick, out), daemon=True)
+        for rank in range(world)
+    ]
+    for process in processes:
+        process.start()
+    gathered, deadline = None, time.monotonic() + deadline_s
+    while time.monotonic() < deadline and (gathered is None or "times" not in gathered[0]):
+        with contextlib.suppress(queue.Empty):
+            gathered = out.get(timeout=1.0)
+        if not any(p.is_alive() for p in processes) and out.empty():
+            break
+    for process in processes:
+        process.join(timeout=30)
+        if process.is_alive():
+            process.kill()
+    if gathered is None:
+        codes = [p.exitcode for p in processes]
+        return [
+            Row(
+                f"DDP on {world} {device} processes", "FAIL", f"no result within {deadline_s:.0f} s; exit codes {codes}"
+            )
+        ]
+    return _ddp_rows(gathered, world)
+
+
+def _ddp_rows(gathered: list[dict[str, Any]], world: int) -> list[Row]:
+    rows = []
+    for w in range(2, world + 1):
+        parts = [r[f"exact W={w}"] for r in gathered[:w]]
+        mismatched = sum(p["mismatched"] for p in parts)
+        error = max(p["error"] for p in parts)
+        ok = mismatched == 0 and error < TOLERANCE
+        rows.append(
+            Row(
+                f"DDP W={w}: gradients bitwise = plain DDP, statistics = reference",
+                "PASS" if ok else "FAIL",
+                f"{mismatched} tensors differ; rel. error {error:.1e}",
+            )
+        )
+        hook, collect = max(p["syncs_hook"] for p in parts), max(p["syncs_collect"] for p in parts)
+        rows.append(
+            Row(
+                f"DDP W={w}: host synchronisations, hook / collect()",
+                "PASS" if hook == 0 and collect <= 1 else "FAIL",
+                f"{hook} / {collect} (goal 0 / 1)",
+            )
+        )
+    if "race" not in gathered[0]:
+        return [*rows, Row(f"DDP W={world}: race, soak and timing", "FAIL", "did not finish (a hang or an error)")]
+    race = [r["race"] for r in gathered]
+    ok = sum(p["mismatched"] for p in race) == 0 and max(p["error"] for p in race) < TOLERANCE
+    rows.append(
+        Row(
+            f"DDP W={world}: measurement stream held back, NaN scribbled into fresh blocks",
+            "PASS" if ok else "FAIL",
+            f"rel. error {max(p['error'] for p in race):.1e}",
+        )
+    )
+    soak = [r["soak"] for r in gathered]
+    ok = sum(p["bad"] for p in soak) == 0 and max(p["error"] for p in soak) < TOLERANCE
+    rows.append(
+        Row(
+            f"DDP W={world}: soak, many small buckets",
+            "PASS" if ok else "FAIL",
+            f"{sum(p['bad'] for p in soak)} bad steps of {soak[0]['steps']}; rel. error"
+            f" {max(p['error'] for p in soak):.1e}; {soak[0]['seconds']:.0f} s",
+        )
+    )
+    if "times" not in gathered[0]:
+        return [*rows, Row(f"DDP W={world}: step time", "FAIL", "did not finish (a hang or an error)")]
+    times = gathered[0]["times"]
+    rows.append(
+        Row(
+            f"DDP W={world}: step time measured / plain DDP (goal <= 1.10)",
+            "MET" if times["b/a"] <= 1.10 else "MISSED",
+            f"plain {times['a'] * 1e3:.1f} ms, ratio {times['b/a']:.3f}; paper's pattern {times['c/a']:.3f}",
+        )
+    )
+    return rows
+
+
+# ----------------------------------------------------------------------------------- the command
+
+
+def print_table(rows: list[Row], file: Any = None) -> None:
+    width = max(len(r.check) for r in rows)
+    print(f"{'check':<{width}} | result | figures", file=file)
+    print(f"{'-' * width}-+--------+--------", file=file)
+    for row in rows:
+        print(f"{row.check:<{width}} | {row.status:<6} | {row.figure}", file=file)
+
+
+def run(device: str, quick: bool, world: int) -> list[Row]:
+    rows = check_one_process(device)
+    rows += check_step_time(device, quick)
+    if world >= 2:
+        rows += check_ddp(device, world, quick)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small models and few steps")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA GPU here (torch.cuda.is_available() is False); nothing to check.")
+        return 0
+    started = time.perf_counter()
+    print(
+        f"gpu_check: {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}",
+        flush=True,
+    )
+    rows = run("cuda", args.quick, torch.cuda.device_count())
+    print_table(rows)
+    print(f"gpu_check: {time.perf_counter() - started:.0f} s")
+    return 1 if any(r.status == "FAIL" for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

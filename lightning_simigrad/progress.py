@@ -1,0 +1,268 @@
+r"""Lightning's step-based settings, served in samples (see :mod:`lightning_simigrad.sample_counts`).
+
+:class:`SampleProgress` replaces three private methods on Lightning's loop *instances* for the length of
+a fit, and restores them after:
+
+- ``_update_learning_rates``: step-interval LR schedulers (not plateau ones) are stepped until they have
+  taken as many steps as B0-steps of samples were trained (``frequency`` counts B0-steps); before a window
+  trains they are brought to the B0-step in its middle, so a step of :math:`k B_0` samples applies the
+  schedule's value halfway through the :math:`k` fixed-batch steps it stands for;
+- ``_should_check_val_fx``: validation after the samples of ``val_check_interval``, only ever between
+  optimizer steps (time-based intervals and stops keep Lightning's own rule);
+- ``setup_data``: Lightning loads the training data without ``limit_train_batches`` and without a
+  fractional ``val_check_interval`` (both of which it would refuse or apply in micro-batches for a loader
+  without a length); the sampler serves them in samples;
+- the epoch loop's ``reset``: a run resumed from a checkpoint written at an epoch's last batch starts the
+  next epoch. Lightning recognises that case by counting the epoch's batches, which a loader without a
+  length does not have: it would find the restored ``is_last_batch`` and skip the whole next epoch.
+
+Once per process it also makes ``Trainer.estimated_stepping_batches`` ask a fit's :class:`SampleProgress`
+where one is attached; every other Trainer gets Lightning's value, computed by Lightning's own code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.trainer import call
+
+from lightning_simigrad.accumulation import require_lightning_internals
+from lightning_simigrad.sample_counts import FitLength
+
+__all__ = ["SampleProgress"]
+
+_PROVIDER = "_lightning_simigrad_stepping_batches"  # the Trainer instance attribute the property reads
+
+
+class SampleProgress:
+    """Makes Lightning's scheduler stepping, validation cadence and step estimate follow samples.
+
+    Args:
+        length: returns the fit's :class:`FitLength` (None until the training data is known).
+        counters: returns ``(epoch, epoch_samples_done, samples_seen)`` after the last optimizer step.
+        validation_interval: returns the validation interval in samples and whether it counts within
+            the epoch (True) or over the whole fit; None to validate at each epoch's end.
+        schedule_by_samples: step-interval schedulers and ``estimated_stepping_batches`` in B0-steps
+            (False: Lightning's own, per optimizer step).
+    """
+
+    def __init__(
+        self,
+        length: Callable[[], FitLength | None],
+        counters: Callable[[], tuple[int, int, int]],
+        validation_interval: Callable[[], tuple[int, bool] | None],
+        schedule_by_samples: bool = True,
+    ) -> None:
+        self._length = length
+        self._counters = counters
+        self._validation_interval = validation_interval
+        self.schedule_by_samples = schedule_by_samples
+        self.active = True  # False: Lightning's own behaviour (a tuner's trials run plain batches)
+        # scheduler steps taken per step-interval scheduler config (by its index): checkpointed
+        self.scheduler_steps: list[int] = []
+        self._continue_restored = False  # align the counts to the first progress, stepping nothing
+        self.before_next_epoch: Callable[[], None] | None = None  # called before a resumed fit's new epoch begins
+        self._last_step_span: tuple[int, int, int, int] | None = None  # (epoch done before/after, total before/after)
+        self._trainer: pl.Trainer | None = None
+        self._originals: dict[str, Any] = {}
+        self._hidden: dict[str, Any] = {}  # the user's settings, while Lightning loads the data without them
+
+    # ------------------------------------------------------------------------------ wiring
+    def attach(self, trainer: pl.Trainer) -> None:
+        fit_loop = trainer.fit_loop
+        epoch_loop = fit_loop.epoch_loop
+        require_lightning_internals(
+            (epoch_loop, "_update_learning_rates"),
+            (epoch_loop, "_should_check_val_fx"),
+            (epoch_loop, "_should_check_val_epoch"),
+            (epoch_loop, "reset"),
+            (epoch_loop, "reset_restart_stage"),
+            (fit_loop, "setup_data"),
+        )
+        self._trainer = trainer
+        self._originals = {
+            "_update_learning_rates": epoch_loop._update_learning_rates,
+            "_should_check_val_fx": epoch_loop._should_check_val_fx,
+            "setup_data": fit_loop.setup_data,
+            "reset": epoch_loop.reset,
+        }
+        epoch_loop._update_learning_rates = self._update_learning_rates  # type: ignore[method-assign]
+        epoch_loop.reset = self._reset_epoch_loop  # type: ignore[method-assign]
+        epoch_loop._should_check_val_fx = self._should_check_val_fx  # type: ignore[method-assign]
+        fit_loop.setup_data = self._setup_data  # type: ignore[method-assign]
+        if self.schedule_by_samples:
+            _install_stepping_batches_property()
+            setattr(trainer, _PROVIDER, self.stepping_batches)
+
+    def detach(self) -> None:
+        trainer = self._trainer
+        if trainer is None:
+            return
+        trainer.fit_loop.epoch_loop.__dict__.pop("_update_learning_rates", None)
+        trainer.fit_loop.epoch_loop.__dict__.pop("_should_check_val_fx", None)
+        trainer.fit_loop.epoch_loop.__dict__.pop("reset", None)
+        trainer.fit_loop.__dict__.pop("setup_data", None)
+        trainer.__dict__.pop(_PROVIDER, None)
+        self._trainer = None
+
+    # ------------------------------------------------------------------------------ readings
+    def setting(self, name: str) -> Any:
+        """The user's ``trainer.<name>``, also while Lightning loads the training data without it."""
+        return self._hidden[name] if name in self._hidden else getattr(self._trainer, name)
+
+    def stepping_batches(self) -> float:
+        """``trainer.estimated_stepping_batches``: the fit's length in B0-steps."""
+        trainer = self._trainer
+        assert trainer is not None
+        if trainer.train_dataloader is None:
+            trainer.fit_loop.setup_data()  # as Lightning's own property does
+        length = self._length()
+        if length is None:  # no training data (e.g. limit_train_batches=0)
+            return 0
+        return length.stepping_batches
+
+    def steps_done(self) -> int:
+        """B0-steps of progress after the last optimizer step."""
+        trainer = self._trainer
+        length = self._length()
+        assert trainer is not None and length is not None
+        epoch, epoch_done, seen = self._counters()
+        at_end = bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
+        return length.steps_done(epoch, epoch_done, seen, at_epoch_end=at_end)
+
+    def record_step(self, epoch_done_before: int, epoch_done_after: int, total_before: int, total_after: int) -> None:
+        """The samples an optimizer step just added (read by the validation cadence)."""
+        self._last_step_span = (epoch_done_before, epoch_done_after, total_before, total_after)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scheduler_steps": list(self.scheduler_steps)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scheduler_steps = [int(n) for n in state.get("scheduler_steps", [])]
+        self._continue_restored = False
+
+    def continue_restored_schedules(self) -> None:
+        """The schedulers were restored from a checkpoint that counted no B0-steps for them (one written without
+        SimiGrad): they continue from the state they were restored in, advancing with this fit's progress."""
+        self._continue_restored = True
+
+    # ------------------------------------------------------------------------------ Lightning's loops
+    def _setup_data(self) -> None:
+        trainer = self._trainer
+        assert trainer is not None
+        if not self.active:
+            return self._originals["setup_data"]()
+        # The sampler sizes epochs in samples, so Lightning must neither stop an epoch after a count of
+        # micro-batches (`limit_train_batches`) nor refuse a fraction of a loader without a length
+        # (`limit_train_batches`, `val_check_interval`): it loads the data as if unlimited, and the
+        # limits are served in samples. Its own reading of both is restored at once.
+        self._hidden = {"val_check_interval": trainer.val_check_interval}
+        if trainer.limit_train_batches != 0:
+            self._hidden["limit_train_batches"] = trainer.limit_train_batches
+            trainer.limit_train_batches = 1.0
+        if isinstance(trainer.val_check_interval, float):
+            trainer.val_check_interval = 1.0
+        try:
+            self._originals["setup_data"]()
+        finally:
+            for name, value in self._hidden.items():
+                setattr(trainer, name, value)
+            self._hidden = {}
+
+    def _reset_epoch_loop(self) -> None:
+        trainer = self._trainer
+        assert trainer is not None
+        epoch_loop = trainer.fit_loop.epoch_loop
+        if self.active and epoch_loop.restarted_on_train_batch_end and epoch_loop.batch_progress.is_last_batch:
+            # The checkpoint was written after the epoch's last batch, and the fit loop has moved on to the next
+            # epoch. Lightning starts that epoch afresh when the batches it counted reach the loader's length;
+            # without a length, do what it does then. The data iterator Lightning made while loading the data
+            # belongs to the finished epoch (the fit loop had not moved on yet): make the new epoch's.
+            epoch_loop.batch_progress.reset_on_run()
+            epoch_loop.scheduler_progress.reset_on_run()
+            epoch_loop.automatic_optimization.optim_progress.reset_on_run()
+            epoch_loop.val_loop.batch_progress.total.reset()
+            epoch_loop.reset_restart_stage()
+            if trainer.fit_loop._data_fetcher is not None:
+                if self.before_next_epoch is not None:
+                    self.before_next_epoch()
+                iter(trainer.fit_loop._data_fetcher)
+        self._originals["reset"]()
+
+    def start_window(self, samples: int) -> None:
+        """Before a window of ``samples`` trains: schedules to the B0-step in its middle (see ``step_in_window``)."""
+        length = self._length()
+        if self.schedule_by_samples and self.active and length is not None:
+            epoch, epoch_done, seen = self._counters()
+            self._advance_schedulers(length.step_in_window(epoch, epoch_done, seen, samples))
+
+    def _update_learning_rates(self, interval: str, update_plateau_schedulers: bool) -> None:
+        if interval != "step" or update_plateau_schedulers or not self.schedule_by_samples or not self.active:
+            return self._originals["_update_learning_rates"](interval, update_plateau_schedulers)
+        self._advance_schedulers(self.steps_done())
+        return None
+
+    def _advance_schedulers(self, done: int) -> None:
+        """Step every step-interval scheduler until it has taken ``done // frequency`` steps in this fit."""
+        trainer = self._trainer
+        assert trainer is not None
+        if not trainer.lr_scheduler_configs or not trainer.lightning_module.automatic_optimization:
+            return
+        configs = trainer.lr_scheduler_configs
+        if len(self.scheduler_steps) < len(configs):
+            self.scheduler_steps += [0] * (len(configs) - len(self.scheduler_steps))
+        progress = trainer.fit_loop.epoch_loop.scheduler_progress
+        for index, config in enumerate(configs):
+            if config.interval != "step" or config.reduce_on_plateau:
+                continue
+            if self._continue_restored:
+                self.scheduler_steps[index] = done // config.frequency
+                continue
+            # `frequency` counts B0-steps, as it counted steps of the fixed batch
+            due = done // config.frequency - self.scheduler_steps[index]
+            for _ in range(max(due, 0)):
+                progress.increment_ready()
+                call._call_lightning_module_hook(trainer, "lr_scheduler_step", config.scheduler, None)
+                progress.increment_completed()
+                self.scheduler_steps[index] += 1
+        self._continue_restored = False
+
+    def _should_check_val_fx(self, data_fetcher: Any) -> bool:
+        trainer = self._trainer
+        assert trainer is not None
+        epoch_loop = trainer.fit_loop.epoch_loop
+        if (
+            not self.active
+            or epoch_loop.restarting
+            or trainer.should_stop
+            or getattr(trainer, "_val_check_time_interval", None) is not None
+            or not epoch_loop._should_check_val_epoch()
+        ):
+            return bool(self._originals["_should_check_val_fx"](data_fetcher))
+        span, self._last_step_span = self._last_step_span, None
+        if span is None:
+            return False  # validation only ever follows an optimizer step, never splits a window
+        interval = self._validation_interval()
+        if interval is None:
+            return bool(epoch_loop.batch_progress.is_last_batch)
+        samples, within_epoch = interval
+        before, after = (span[0], span[1]) if within_epoch else (span[2], span[3])
+        return after // samples > before // samples
+
+
+def _install_stepping_batches_property() -> None:
+    """Once per process: ``Trainer.estimated_stepping_batches`` asks an attached :class:`SampleProgress`."""
+    trainer_class = pl.Trainer
+    lightnings = trainer_class.__dict__["estimated_stepping_batches"]
+    if getattr(lightnings.fget, "_lightning_simigrad", False):
+        return
+
+    def estimated_stepping_batches(self: pl.Trainer) -> int | float:
+        provider = self.__dict__.get(_PROVIDER)
+        return provider() if provider is not None else lightnings.fget(self)
+
+    estimated_stepping_batches._lightning_simigrad = True  # type: ignore[attr-defined]
+    estimated_stepping_batches.__doc__ = lightnings.__doc__
+    trainer_class.estimated_stepping_batches = property(estimated_stepping_batches)  # type: ignore[method-assign,assignment]

@@ -1,0 +1,160 @@
+r"""Lightning's step and batch counts, read in samples, so that settings written for a fixed batch keep their meaning.
+
+A user writes an LR schedule, ``max_steps``, ``val_check_interval`` or ``limit_train_batches`` for the
+batch their DataLoader and learning rate were set up with: :math:`B_0` samples a step, ``batch_size``
+samples a batch on each of :math:`W` ranks. When SimiGrad makes steps of :math:`B` samples, those counts
+are read in samples:
+
+- a *B0-step* is :math:`B_0` samples. ``trainer.estimated_stepping_batches`` counts the fit in B0-steps:
+  exactly the steps a run at the fixed batch :math:`B_0` takes. A step of :math:`B` samples advances
+  step-interval LR schedules by :math:`B / B_0` of them, and ``max_steps`` bounds the fit to ``max_steps``
+  B0-steps of samples (with ``schedule_by_samples=True``, the default). A schedule built on the estimate
+  so runs once over the whole fit and ends where the fixed-batch run's ends.
+- ``limit_train_batches=k`` limits an epoch to the samples of ``k`` DataLoader batches, :math:`k b W` (a
+  fraction, to that fraction of the epoch), and ``val_check_interval=k`` validates after every :math:`k b W`
+  samples (a fraction: after that fraction of the epoch). The sampler plans the epoch's last window to end
+  exactly at the limit.
+
+An epoch counts ``ceil(samples / B0)`` B0-steps (``floor`` with ``drop_last``), as the fixed-:math:`B_0`
+run steps. Within an epoch the count is ``floor(samples done / B0)``; at the epoch's end it is the epoch's
+whole count, and at the end of the fit's sample budget the budget's. So the count never exceeds the
+estimate and reaches it exactly at the end.
+
+Pure arithmetic, no Lightning: :mod:`lightning_simigrad.progress` applies it to Lightning's loops.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["FitLength", "epoch_limit", "validation_interval"]
+
+
+def epoch_limit(samples: int, batch_size: int, world_size: int, limit_train_batches: int | float) -> int | None:
+    """Samples an epoch feeds under ``limit_train_batches`` (None: all ``samples``).
+
+    Args:
+        samples: the epoch's samples without a limit.
+        batch_size: the DataLoader's ``batch_size`` (per rank).
+        world_size: number of ranks.
+        limit_train_batches: Lightning's setting: an int number of batches or a fraction of the epoch.
+
+    Raises:
+        ValueError: for a fraction that leaves less than one sample.
+
+    >>> epoch_limit(1000, 16, 2, 10), epoch_limit(1000, 16, 2, 0.25), epoch_limit(1000, 16, 2, 1.0)
+    (320, 250, None)
+    """
+    if isinstance(limit_train_batches, int):
+        return min(samples, limit_train_batches * batch_size * world_size)
+    if limit_train_batches >= 1.0:
+        return None
+    limited = int(samples * limit_train_batches)
+    if limited < 1:
+        raise ValueError(
+            f"`limit_train_batches={limit_train_batches}` of {samples} training samples is less than one sample."
+            f" Raise it to at least {1 / samples:.3g}."
+        )
+    return limited
+
+
+def validation_interval(
+    epoch_samples: int,
+    batch_size: int,
+    world_size: int,
+    val_check_interval: int | float,
+    check_val_every_n_epoch: int | None,
+) -> tuple[int, bool] | None:
+    """``val_check_interval`` in samples, and whether it counts within each epoch (True) or over the fit.
+
+    None: validate at each epoch's end. Raises ``ValueError`` for an int interval longer than the epoch
+    where Lightning counts it within the epoch (validation would never run; Lightning refuses it too).
+
+    >>> validation_interval(1000, 16, 2, 10, 1), validation_interval(1000, 16, 2, 0.25, 1)
+    ((320, True), (250, True))
+    >>> validation_interval(1000, 16, 2, 100, None), validation_interval(1000, 16, 2, 1.0, 1)
+    ((3200, False), None)
+    """
+    if isinstance(val_check_interval, float):
+        return None if val_check_interval == 1.0 else (max(1, int(epoch_samples * val_check_interval)), True)
+    if check_val_every_n_epoch is not None:
+        batches = math.ceil(epoch_samples / (batch_size * world_size))
+        if val_check_interval > batches:
+            ranks = f" x {world_size} ranks" if world_size > 1 else ""
+            raise ValueError(
+                f"`val_check_interval` ({val_check_interval}) must be less than or equal to the number of training"
+                f" batches ({batches}: {epoch_samples} samples per epoch in batches of {batch_size}{ranks});"
+                " validation would never run. Lower it, set `check_val_every_n_epoch=None` to count batches over"
+                " the whole fit, or set `limit_val_batches=0` to disable validation."
+            )
+    return val_check_interval * batch_size * world_size, check_val_every_n_epoch is not None
+
+
+@dataclass(frozen=True)
+class FitLength:
+    """How much a fit trains, in samples, and the same counted in B0-steps.
+
+    Args:
+        initial_batch_size: :math:`B_0`.
+        epoch_samples: samples an epoch feeds (the dataset, or what ``limit_train_batches`` leaves of it).
+        drop_last: the DataLoader drops a tail smaller than the batch.
+        max_epochs: the epoch bound (``-1``: none).
+        budget: most samples the fit trains (``math.inf``: none).
+
+    >>> length = FitLength(initial_batch_size=16, epoch_samples=100, drop_last=False, max_epochs=3, budget=math.inf)
+    >>> length.steps_per_epoch, length.stepping_batches
+    (7, 21)
+    >>> length.steps_done(epoch=1, epoch_samples_done=40, samples_seen=140, at_epoch_end=False)  # 7 + 40 // 16
+    9
+    >>> FitLength(16, 100, False, 3, budget=16 * 10).stepping_batches  # max_steps=10: ten B0-steps of samples
+    10
+    """
+
+    initial_batch_size: int
+    epoch_samples: int
+    drop_last: bool
+    max_epochs: int
+    budget: float
+
+    @property
+    def steps_per_epoch(self) -> int:
+        rounding = math.floor if self.drop_last else math.ceil
+        return int(rounding(self.epoch_samples / self.initial_batch_size))
+
+    @property
+    def budget_steps(self) -> float:
+        return math.ceil(self.budget / self.initial_batch_size) if math.isfinite(self.budget) else math.inf
+
+    @property
+    def stepping_batches(self) -> float:
+        """The fit's length in B0-steps (``math.inf`` when nothing bounds it)."""
+        by_epochs = math.inf if self.max_epochs == -1 else self.steps_per_epoch * max(self.max_epochs, 1)
+        total = min(by_epochs, self.budget_steps)
+        return total if math.isinf(total) else int(total)
+
+    def step_in_window(self, epoch: int, epoch_samples_done: int, samples_seen: int, window: int) -> int:
+        """The B0-step whose learning rate a step of ``window`` samples applies: the middle one it spans.
+
+        A step over B0-steps ``p .. p + k - 1`` stands for ``k`` steps of the fixed batch, whose learning
+        rates it should average: the schedule's value at ``p + (k - 1) / 2`` (rounded down). A step of
+        exactly B0 samples uses ``p``, as the fixed-batch run does.
+
+        >>> FitLength(8, 1000, False, 1, math.inf).step_in_window(0, epoch_samples_done=16, samples_seen=16, window=40)
+        4
+        """
+        twice = 2 * epoch_samples_done + window - self.initial_batch_size
+        within = min(self.steps_per_epoch, max(twice, 0) // (2 * self.initial_batch_size))
+        return int(min(epoch * self.steps_per_epoch + within, self.stepping_batches))
+
+    def steps_done(self, epoch: int, epoch_samples_done: int, samples_seen: int, at_epoch_end: bool) -> int:
+        """B0-steps of progress after ``samples_seen`` samples, ``epoch_samples_done`` of them in ``epoch``."""
+        total = self.stepping_batches
+        if samples_seen >= self.budget:
+            return int(total)  # the fit's last step: the budget's whole count
+        within = (
+            self.steps_per_epoch
+            if at_epoch_end
+            else min(self.steps_per_epoch, epoch_samples_done // self.initial_batch_size)
+        )
+        return int(min(epoch * self.steps_per_epoch + within, total))
