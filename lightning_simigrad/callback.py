@@ -213,7 +213,7 @@ class SimiGrad(Callback):
         self._window: Window | None = None
         self._micro = 0
         self._fed = [0, 0]  # samples whose backward ran in this window: first half, second half (all ranks)
-        self._epoch_samples_done = 0
+        self._epoch_samples_done = 0  # the sampler's position: samples of the committed windows, skipped ones too
         self._last_similarity = math.nan
         self._batch_range = (2**63, 0)  # smallest and largest step of this process's fits
         self._b0_steps = 0  # the samples trained so far, in steps of B0 (what the fixed batch takes)
@@ -536,7 +536,8 @@ class SimiGrad(Callback):
         self.schedule.current.commit()
         before = self._epoch_samples_done, self.samples_seen
         self.samples_seen += fed
-        self._epoch_samples_done += fed
+        # the epoch's position is where the sampler stands: the whole window it drew, skipped micro-batches too
+        self._epoch_samples_done += window.total
         self._progress.record_step(before[0], self._epoch_samples_done, before[1], self.samples_seen)
         if stats is not None:
             next_size = self.controller.update(stats, adjust=self.adjust)

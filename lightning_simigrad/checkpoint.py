@@ -117,10 +117,10 @@ def validate_state(state: Any, where: str) -> dict[str, Any]:
             f"{prefix} has an `rng` that is not a list of random generator states: the file is damaged or was"
             " edited. Delete the `rng` entry to resume without restoring them, or resume from another checkpoint."
         )
-    if state["epoch_samples_done"] > state["samples_seen"]:
+    if state["epoch_samples_done"] > state["epoch_length"]:
         raise ValueError(
-            f"{prefix} is inconsistent: `epoch_samples_done` ({state['epoch_samples_done']}) exceeds `samples_seen`"
-            f" ({state['samples_seen']}). The file is damaged; resume from another checkpoint."
+            f"{prefix} is inconsistent: `epoch_samples_done` ({state['epoch_samples_done']}) exceeds `epoch_length`"
+            f" ({state['epoch_length']}). The file is damaged; resume from another checkpoint."
         )
     return state
 

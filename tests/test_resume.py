@@ -209,3 +209,42 @@ def test_a_checkpoint_without_simigrad_state_resumes_at_b0_with_one_warning(tmp_
     assert first["samples_seen"] == (plain_steps + 1) * 16
     assert first["lr"] == pytest.approx(restored_lr)  # the restored schedule continues where it was
     assert sorted(i for m in model.micro_batches for i in m) == list(range(N))  # the second epoch, once each
+
+
+# ---------------------------------------------------------------------------------------------- skipped micro-batches
+class SkipFirst(Regressor):
+    """Returns None (Lightning's skip) for the fit's first micro-batch, whose samples the sampler drew all the same."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return None if len(self.micro_batches) == 1 else loss
+
+
+class StopAfter(pl.Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            trainer.should_stop = True  # after the checkpoint callback (listed before) has saved this step
+
+
+@pytest.mark.timeout(300)
+def test_a_skipped_micro_batch_does_not_shift_where_a_mid_epoch_resume_starts(tmp_path):
+    pl.seed_everything(0)
+    first = SkipFirst()
+    every_step = ModelCheckpoint(dirpath=tmp_path, filename="{step}", save_top_k=-1, every_n_train_steps=1)
+    cb = SimiGrad(target_similarity=0.9, max_batch_size=150)
+    t = trainer(callbacks=[cb, every_step, StopAfter(4)], max_epochs=1, enable_checkpointing=True)
+    t.fit(first, DataLoader(IndexedRegression(N), batch_size=16, shuffle=True))
+    second = Regressor()
+    t = trainer(callbacks=[SimiGrad(target_similarity=0.9, max_batch_size=150)], max_epochs=1)
+    t.fit(second, DataLoader(IndexedRegression(N), batch_size=16, shuffle=True), ckpt_path=tmp_path / "step=4.ckpt")
+    # across the two runs every sample of the epoch reached `training_step` exactly once
+    fed = [i for m in first.micro_batches + second.micro_batches for i in m]
+    assert sorted(fed) == list(range(N))
+    # the epoch's position is where the sampler stands (the skipped samples were drawn); samples seen count what
+    # was fed
+    state = torch.load(tmp_path / "step=4.ckpt", weights_only=False)["callbacks"]["SimiGrad"]
+    skipped = len(first.micro_batches[0])
+    assert state["epoch_samples_done"] == sum(len(m) for m in first.micro_batches) == state["samples_seen"] + skipped
