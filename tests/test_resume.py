@@ -127,16 +127,15 @@ def checkpoints(tmp_path_factory):
     return root
 
 
-def resume_with_state(tmp_path, source, change):
+def resume_with_state(tmp_path, source, change, model, **simigrad):
+    """Fits ``model`` from ``source`` with its SimiGrad state changed by ``change``."""
     checkpoint = torch.load(source, weights_only=False)
     change(checkpoint["callbacks"])
     path = tmp_path / "changed.ckpt"
     torch.save(checkpoint, path)
     pl.seed_everything(0)
-    model = Regressor(dropout=0.2)
-    t = trainer(callbacks=[SimiGrad(target_similarity=0.9)], max_epochs=1)
+    t = trainer(callbacks=[SimiGrad(target_similarity=0.9, **simigrad)], max_epochs=1)
     t.fit(model, DataLoader(IndexedRegression(N), batch_size=16, shuffle=True), ckpt_path=path)
-    return model
 
 
 def set_field(name, value):
@@ -169,11 +168,11 @@ def drop_field(name):
     ids=["newer", "unversioned", "negative", "missing", "nan", "wrong-type", "inconsistent", "not-a-dict"],
 )
 def test_a_malformed_or_incompatible_state_is_refused_before_training(tmp_path, checkpoints, change, message):
-    model = Regressor()
+    model = Regressor(dropout=0.2)
     with pytest.raises(ValueError, match=message) as info:
-        model = resume_with_state(tmp_path, checkpoints / "step=4.ckpt", change)
+        resume_with_state(tmp_path, checkpoints / "step=4.ckpt", change, model)
     assert "changed.ckpt" in str(info.value)  # names the file
-    assert model.micro_batches == []  # no step trained
+    assert model.micro_batches == []  # the refused fit trained no micro-batch
 
 
 @pytest.mark.timeout(300)
