@@ -164,8 +164,23 @@ def drop_field(name):
         (set_field("planned", ["16"]), "`planned` = \\['16'\\], which must be a list of positive ints"),
         (set_field("epoch_samples_done", 10**6), "inconsistent: `epoch_samples_done` \\(1000000\\) exceeds"),
         (lambda callbacks: callbacks.update(SimiGrad=[1, 2]), "is a `list`, not a dict"),
+        (
+            lambda callbacks: callbacks["SimiGrad"]["rng"][0].pop("python"),
+            "lacks `rng\\[0\\].python`, rank 0's Python `random` state",
+        ),
+        (
+            lambda callbacks: callbacks["SimiGrad"]["rng"][0].update(torch=bytes(10)),
+            "`rng\\[0\\].torch` = b'.*' \\(10 bytes\\): rank 0's torch CPU generator state must be 5056 bytes",
+        ),
+        (
+            lambda callbacks: callbacks["SimiGrad"]["rng"][0]["numpy"].__setitem__(1, [7] * 5),
+            "`rng\\[0\\].numpy` = .*: rank 0's NumPy global generator state must be a list",
+        ),
     ],
-    ids=["newer", "unversioned", "negative", "missing", "nan", "wrong-type", "inconsistent", "not-a-dict"],
+    ids=[
+        *("newer", "unversioned", "negative", "missing", "nan", "wrong-type", "inconsistent", "not-a-dict"),
+        *("rng-missing", "rng-torch-size", "rng-numpy-keys"),
+    ],
 )
 def test_a_malformed_or_incompatible_state_is_refused_before_training(tmp_path, checkpoints, change, message):
     model = Regressor(dropout=0.2)
