@@ -323,12 +323,30 @@ class SimiGrad(Callback):
         if self._loaded:
             self._resume(trainer)
         elif self._resumed_without_state:
+            self._warn_resumed_without_state(trainer)
             # counted as the fixed-batch run that wrote the checkpoint counted: its steps were B0 samples, and
             # the step schedules it restored continue from where they are
             self.steps = trainer.global_step
             self.samples_seen = trainer.global_step * self._b0
             self._progress.continue_restored_schedules()
         self._validation_interval()  # refuses an interval validation would never reach, before training
+
+    def _warn_resumed_without_state(self, trainer: pl.Trainer) -> None:
+        message = (
+            f"The checkpoint {trainer.ckpt_path} has no SimiGrad state (it was written by a fit without the SimiGrad"
+            " callback): SimiGrad starts again at the initial batch size B0 with a new controller, counting the"
+            " checkpoint's steps as steps of B0 samples."
+        )
+        batches = trainer.fit_loop.epoch_loop.batch_progress
+        if trainer.fit_loop.restarting and batches.current.ready > 0 and not batches.is_last_batch:
+            epoch = _epoch_being_trained(trainer)
+            message += (
+                f" It was written {batches.current.ready} batches into epoch {epoch}, and nothing in it says which"
+                f" samples they held: epoch {epoch} restarts from its first sample, so those batches' samples are"
+                " trained again (plain Lightning, too, restarts a DataLoader that cannot resume from its first"
+                " sample). Resume from a checkpoint written at an epoch's end to avoid it."
+            )
+        rank_zero_warn(message)
 
     def _resume(self, trainer: pl.Trainer) -> None:
         """Pick the epoch up where the checkpoint left it, or refuse a resume that cannot be exact."""
@@ -669,12 +687,6 @@ class SimiGrad(Callback):
         # Lightning calls `load_state_dict` only when the checkpoint holds a state for this callback
         self._loaded, self._resumed_without_state = {}, self.state_key not in checkpoint.get("callbacks", {})
         self.schedule = self.controller = None  # built again from the checkpoint's state when the data loads
-        if self._resumed_without_state:
-            rank_zero_warn(
-                f"The checkpoint {trainer.ckpt_path} has no SimiGrad state (it was written by a fit without the"
-                " SimiGrad callback): SimiGrad starts again at the initial batch size B0 with a new controller,"
-                " counting the checkpoint's steps as steps of B0 samples."
-            )
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -217,7 +217,8 @@ def test_a_checkpoint_without_simigrad_state_resumes_at_b0_with_one_warning(tmp_
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         t.fit(model, DataLoader(IndexedRegression(N), batch_size=16, shuffle=True), ckpt_path=tmp_path / "last.ckpt")
-    assert len([w for w in caught if "has no SimiGrad state" in str(w.message)]) == 1
+    (warning,) = [str(w.message) for w in caught if "has no SimiGrad state" in str(w.message)]
+    assert "restarts" not in warning  # written at the epoch's end: the next epoch starts as it would have
     first = cb.history[0]
     assert first["batch_size"] == 16 and first["step"] == plain_steps  # B0, counted on from the checkpoint
     assert first["samples_seen"] == (plain_steps + 1) * 16
@@ -262,3 +263,20 @@ def test_a_skipped_micro_batch_does_not_shift_where_a_mid_epoch_resume_starts(tm
     state = torch.load(tmp_path / "step=4.ckpt", weights_only=False)["callbacks"]["SimiGrad"]
     skipped = len(first.micro_batches[0])
     assert state["epoch_samples_done"] == sum(len(m) for m in first.micro_batches) == state["samples_seen"] + skipped
+
+
+@pytest.mark.timeout(300)
+def test_a_mid_epoch_checkpoint_without_simigrad_state_says_that_the_epoch_restarts(tmp_path):
+    pl.seed_everything(0)
+    every_4 = ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=4, save_top_k=-1)
+    plain = trainer(callbacks=[every_4], max_epochs=1, enable_checkpointing=True)
+    plain.fit(Regressor(), DataLoader(IndexedRegression(N), batch_size=16, shuffle=True))
+
+    model = Regressor()
+    t = trainer(callbacks=[SimiGrad(target_similarity=0.9, max_batch_size=150)], max_epochs=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t.fit(model, DataLoader(IndexedRegression(N), batch_size=16, shuffle=True), ckpt_path=tmp_path / "step=4.ckpt")
+    (warning,) = [str(w.message) for w in caught if "has no SimiGrad state" in str(w.message)]
+    assert "written 4 batches into epoch 0" in warning and "epoch 0 restarts from its first sample" in warning
+    assert sorted(i for m in model.micro_batches for i in m) == list(range(N))  # the whole epoch, once
