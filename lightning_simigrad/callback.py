@@ -43,7 +43,13 @@ from lightning_simigrad.progress import SampleProgress
 from lightning_simigrad.progress_bar import EpochProgress, postfix_fields
 from lightning_simigrad.rng import all_ranks_rng_states, rng_state, set_rng_state
 from lightning_simigrad.sample_counts import FitLength, epoch_limit, validation_interval
-from lightning_simigrad.sampler import AdaptiveBatchSampler, ResumePoint, WindowSchedule, with_batch_sampler
+from lightning_simigrad.sampler import (
+    AdaptiveBatchSampler,
+    ResumePoint,
+    WindowSchedule,
+    shuffles,
+    with_batch_sampler,
+)
 from lightning_simigrad.statistics import HalfStats
 from lightning_simigrad.window_measurement import WindowHalvesMeasurement
 
@@ -273,7 +279,7 @@ class SimiGrad(Callback):
         if not self._active:
             return loader
         if self.schedule is None:
-            self._create_schedule(trainer, loader.batch_size)
+            self._create_schedule(trainer, loader.batch_size, order)
         assert self.schedule is not None
         limit = self._epoch_samples()
         self.schedule.epoch_limit = limit if limit < len(order) else None
@@ -293,7 +299,7 @@ class SimiGrad(Callback):
         per_device = self._batch_size_before_tuning or loader_batch_size
         return self.initial_batch_size or per_device * self._world_size * int(trainer.accumulate_grad_batches)
 
-    def _create_schedule(self, trainer: pl.Trainer, loader_batch_size: int) -> None:
+    def _create_schedule(self, trainer: pl.Trainer, loader_batch_size: int, order: Any) -> None:
         world = self._world_size
         min_micro_batches = 2 if world == 1 else 1
         self._b0 = self._initial_batch_size(trainer, loader_batch_size)
@@ -321,7 +327,7 @@ class SimiGrad(Callback):
         self.steps = self._loaded.get("steps", 0)
         self._progress.load_state_dict(self._loaded.get("progress", {}))
         if self._loaded:
-            self._resume(trainer)
+            self._resume(trainer, order)
         elif self._resumed_without_state:
             self._warn_resumed_without_state(trainer)
             # counted as the fixed-batch run that wrote the checkpoint counted: its steps were B0 samples, and
@@ -348,8 +354,10 @@ class SimiGrad(Callback):
             )
         rank_zero_warn(message)
 
-    def _resume(self, trainer: pl.Trainer) -> None:
-        """Pick the epoch up where the checkpoint left it, or refuse a resume that cannot be exact."""
+    def _resume(self, trainer: pl.Trainer, order: Any) -> None:
+        """Pick the epoch up where the checkpoint left it, or refuse a resume that cannot be exact.
+
+        ``order`` is the sampler whose order the epoch follows."""
         assert self.schedule is not None and self._data is not None
         loaded = self._loaded
         epoch, done = loaded["epoch"], loaded["epoch_samples_done"]
@@ -363,6 +371,17 @@ class SimiGrad(Callback):
                 f" of {loaded['epoch_length']} samples; this fit's training set has {self._data[0]}, so the rest of"
                 " that epoch cannot be identified. Resume with the same training data, or from a checkpoint written"
                 " at the end of an epoch."
+            )
+        if same_epoch and (done > 0 or loaded["planned"]) and self._world_size == 1 and shuffles(order) is None:
+            # (under DDP the sampler refuses such an order)
+            rank_zero_warn(
+                f"The checkpoint {trainer.ckpt_path} was written in the middle of epoch {epoch}, and the training"
+                f" DataLoader's `{type(order).__name__}` has an order SimiGrad cannot regenerate (only a RandomSampler"
+                " without replacement and a SequentialSampler have one): the rest of the epoch is taken from a new"
+                f" draw of that order, past its first {done} samples, not from the order the interrupted run was"
+                " following. Unless the sampler yields the same order every time, the resumed run trains other"
+                f" samples in epoch {epoch} than the uninterrupted run. Resume from a checkpoint written at an epoch's"
+                " end for an exact resume."
             )
         self.schedule.resume_from = ResumePoint(epoch, done, tuple(loaded["planned"]))
         self._epoch_samples_done = done if mid_epoch else 0

@@ -39,7 +39,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Rando
 
 from lightning_simigrad.plan import Window, plan_window
 
-__all__ = ["AdaptiveBatchSampler", "EpochPlan", "ResumePoint", "WindowSchedule", "with_batch_sampler"]
+__all__ = ["AdaptiveBatchSampler", "EpochPlan", "ResumePoint", "WindowSchedule", "shuffles", "with_batch_sampler"]
 
 
 @dataclass
@@ -174,6 +174,21 @@ class WindowSchedule:
         )
 
 
+def shuffles(sampler: Any) -> bool | None:
+    """Whether the sampler's order is a permutation SimiGrad regenerates (True), the sequence (False), or an order it
+    can only take as it comes (None: a sampler with replacement, of its own length, weighted or of the user's own),
+    which a resumed run cannot pick up in the middle of an epoch."""
+    if isinstance(sampler, DistributedSampler):
+        return sampler.shuffle
+    if isinstance(sampler, RandomSampler):
+        if sampler.replacement or sampler._num_samples is not None:
+            return None  # a sampler with replacement or its own length has an order we can't regenerate
+        return True
+    if isinstance(sampler, SequentialSampler):
+        return False
+    return None
+
+
 class AdaptiveBatchSampler(BatchSampler):
     """Yields this rank's micro-batches of windows planned from the schedule's current batch size.
 
@@ -222,16 +237,7 @@ class AdaptiveBatchSampler(BatchSampler):
 
     def _shuffles(self) -> bool | None:
         """True/False for orders we generate ourselves, None for a foreign sampler's own order."""
-        sampler = self.sampler
-        if isinstance(sampler, DistributedSampler):
-            return sampler.shuffle
-        if isinstance(sampler, RandomSampler):
-            if sampler.replacement or sampler._num_samples is not None:
-                return None  # a sampler with replacement or its own length has an order we can't regenerate
-            return True
-        if isinstance(sampler, SequentialSampler):
-            return False
-        return None
+        return shuffles(self.sampler)
 
     def epoch_order(self, epoch: int) -> list[int]:
         """The global index order of an epoch: identical on every rank, and again after a resume."""

@@ -17,7 +17,7 @@ import pytest
 import torch
 from helpers import IndexedRegression, Regressor, trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, WeightedRandomSampler
 
 from lightning_simigrad import SimiGrad
 
@@ -199,6 +199,19 @@ def test_a_mid_epoch_checkpoint_of_another_training_set_is_refused(checkpoints):
     with pytest.raises(ValueError, match="epoch 0 of a training set of 300 samples; this fit's training set has 290"):
         t.fit(model, loader, ckpt_path=checkpoints / "step=4.ckpt")
     assert model.micro_batches == []
+
+
+@pytest.mark.timeout(300)
+def test_a_mid_epoch_resume_with_a_sampler_whose_order_cannot_be_regenerated_warns_once(checkpoints):
+    pl.seed_everything(0)
+    weighted = WeightedRandomSampler(torch.ones(N), num_samples=N)  # drawn with replacement: a new order each time
+    loader = DataLoader(IndexedRegression(N), batch_size=16, sampler=weighted)
+    t = trainer(callbacks=[SimiGrad(target_similarity=0.9, max_batch_size=150)], max_epochs=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t.fit(Regressor(dropout=0.2), loader, ckpt_path=checkpoints / "step=4.ckpt")
+    (warning,) = [str(w.message) for w in caught if "cannot regenerate" in str(w.message)]
+    assert "middle of epoch 0" in warning and "`WeightedRandomSampler`" in warning
 
 
 @pytest.mark.timeout(300)
