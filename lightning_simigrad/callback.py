@@ -693,9 +693,15 @@ class SimiGrad(Callback):
     ) -> None:
         state = checkpoint.get("callbacks", {}).get(self.state_key)
         if state:
-            # the generators where the resumed run picks up: now, or as the window a resume trains again started
+            # the generators where the resumed run picks up: now, or as the window a resume trains again started, or,
+            # resumed and before the first batch, the checkpoint's states that still wait to be restored there
             inside = self.schedule is not None and self.schedule.current.inside_window
-            local = self._window_rng if inside and self._window_rng is not None else rng_state()
+            if self._rng is not None and self._rng_at_first_batch:
+                local = self._rng
+            elif inside and self._window_rng is not None:
+                local = self._window_rng
+            else:
+                local = rng_state()
             # every rank's: a collective, on all ranks as Lightning's own saving is (it ends in a barrier)
             state["rng"] = all_ranks_rng_states(local)
 
@@ -705,6 +711,7 @@ class SimiGrad(Callback):
     ) -> None:
         # Lightning calls `load_state_dict` only when the checkpoint holds a state for this callback
         self._loaded, self._resumed_without_state = {}, self.state_key not in checkpoint.get("callbacks", {})
+        self._forget_pending_rng()  # an earlier resume's, if its fit ended before a batch
         self.schedule = self.controller = None  # built again from the checkpoint's state when the data loads
 
     @override
@@ -743,7 +750,12 @@ class SimiGrad(Callback):
         # Lightning skips `teardown` after an error: leave the gradient whole and the Trainer as it was
         self._detach(trainer)
 
+    def _forget_pending_rng(self) -> None:
+        self._rng, self._rng_at_first_batch, self._window_rng = None, False, None
+        self._progress.before_next_epoch = None
+
     def _detach(self, trainer: pl.Trainer) -> None:
+        self._forget_pending_rng()  # a resumed fit that ended before its first batch never restored them
         self._halves.restore()  # a fit stopped inside a window leaves the gradient whole
         self._accumulation.detach()
         self._lr.detach()

@@ -190,6 +190,33 @@ def test_a_malformed_or_incompatible_state_is_refused_before_training(tmp_path, 
     assert model.micro_batches == []  # the refused fit trained no micro-batch
 
 
+class SaveAtTrainStart(pl.Callback):
+    """Writes ``path`` before the first batch, and ends the fit there."""
+
+    def __init__(self, path) -> None:
+        self.path = path
+
+    def on_train_start(self, trainer, pl_module):
+        trainer.save_checkpoint(self.path)
+        trainer.should_stop = True
+
+
+@pytest.mark.timeout(300)
+def test_a_checkpoint_written_after_a_resume_before_the_first_batch_keeps_the_generators_to_restore(
+    tmp_path, checkpoints
+):
+    source = torch.load(checkpoints / "step=4.ckpt", weights_only=False)["callbacks"]["SimiGrad"]
+    pl.seed_everything(1)  # other generator states than those the checkpoint holds
+    cb = SimiGrad(target_similarity=0.9, max_batch_size=150)
+    t = trainer(callbacks=[cb, SaveAtTrainStart(tmp_path / "again.ckpt")], max_epochs=1)
+    model = Regressor(dropout=0.2)
+    t.fit(model, DataLoader(IndexedRegression(N), batch_size=16, shuffle=True), ckpt_path=checkpoints / "step=4.ckpt")
+    assert model.micro_batches == []
+    again = torch.load(tmp_path / "again.ckpt", weights_only=False)["callbacks"]["SimiGrad"]
+    assert again["rng"] == source["rng"]  # restored at the first batch, which this fit never reached
+    assert cb._rng is None  # and forgotten when the fit ended
+
+
 @pytest.mark.timeout(300)
 def test_a_mid_epoch_checkpoint_of_another_training_set_is_refused(checkpoints):
     pl.seed_everything(0)
