@@ -315,7 +315,7 @@ class SimiGrad(Callback):
         if "controller" in self._loaded:
             self.controller.load_state_dict(self._loaded["controller"])
         self.schedule = WindowSchedule(
-            batch_size=self._loaded.get("batch_size", self.controller.batch_size),
+            batch_size=self._within_bounds(self._loaded.get("batch_size", self.controller.batch_size)),
             max_micro_batch_size=self.max_micro_batch_size or loader_batch_size,
             world_size=world,
             min_micro_batches=min_micro_batches,
@@ -336,6 +336,14 @@ class SimiGrad(Callback):
             self.samples_seen = trainer.global_step * self._b0
             self._progress.continue_restored_schedules()
         self._validation_interval()  # refuses an interval validation would never reach, before training
+
+    def _within_bounds(self, size: int) -> int:
+        """A checkpointed batch size within this fit's bounds, which may differ from the fit that wrote it (a
+        `max_batch_size` lowered after an out-of-memory error, another world size)."""
+        assert self.controller is not None
+        size = max(size, self.controller.min_batch_size)
+        high = self.controller.max_batch_size
+        return size if high is None else min(size, high)
 
     def _warn_resumed_without_state(self, trainer: pl.Trainer) -> None:
         message = (
@@ -383,7 +391,20 @@ class SimiGrad(Callback):
                 f" samples in epoch {epoch} than the uninterrupted run. Resume from a checkpoint written at an epoch's"
                 " end for an exact resume."
             )
-        self.schedule.resume_from = ResumePoint(epoch, done, tuple(loaded["planned"]))
+        planned = tuple(self._within_bounds(size) for size in loaded["planned"])
+        self.schedule.resume_from = ResumePoint(epoch, done, planned)
+        if self.schedule.batch_size != loaded["batch_size"] or planned != tuple(loaded["planned"]):
+            assert self.controller is not None
+            low, high = self.controller.min_batch_size, self.controller.max_batch_size
+            need = self.schedule.world_size * self.schedule.min_micro_batches
+            rank_zero_warn(
+                f"The checkpoint {trainer.ckpt_path} asks for batch sizes outside this fit's bounds, {low} to"
+                f" {'any size' if high is None else high} (`min_batch_size` and `max_batch_size`, and at least the"
+                f" {need} samples a measurement needs on {self._world_size} rank(s)): its batch size"
+                f" {loaded['batch_size']} and the windows it had planned, {list(loaded['planned'])}, are brought"
+                f" within them ({self.schedule.batch_size}, {list(planned)}). The resumed run therefore differs from"
+                " the uninterrupted one from its first step."
+            )
         self._epoch_samples_done = done if mid_epoch else 0
         states = loaded.get("rng")
         if states is not None and len(states) == self._world_size:  # on other ranks, their streams start anew

@@ -124,8 +124,8 @@ class ResumePoint:
     Args:
         epoch: the epoch the run was training.
         samples_done: samples of that epoch's committed windows (the sampler skips them).
-        planned: batch sizes of the windows planned but not committed when the checkpoint was written;
-            they are planned again, in order, before the controller's current batch size is used.
+        planned: batch sizes of the windows planned but not committed when the checkpoint was written, within
+            this fit's bounds; they are planned again, in order, before the controller's current batch size is used.
     """
 
     epoch: int
@@ -261,8 +261,7 @@ class AdaptiveBatchSampler(BatchSampler):
         resume = schedule.resume_from
         if resume is not None and resume.epoch == epoch:
             position = resume.samples_done
-            # below the smallest batch this world size can measure (a resume on more ranks): the smallest
-            replay = deque(max(size, schedule.world_size * schedule.min_micro_batches) for size in resume.planned)
+            replay = deque(resume.planned)
         # the fit's sample budget cuts the window that reaches it to exactly what is left; windows after it
         # are planned as usual but never trained (the callback stops the fit), so the epoch does not
         # look finished to Lightning, as with any stop in the middle of an epoch

@@ -218,6 +218,29 @@ def test_a_checkpoint_written_after_a_resume_before_the_first_batch_keeps_the_ge
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("bound", ["max_batch_size", "min_batch_size"])
+def test_bounds_changed_at_resume_hold_from_the_first_step_with_one_warning(checkpoints, bound):
+    state = torch.load(checkpoints / "step=4.ckpt", weights_only=False)["callbacks"]["SimiGrad"]
+    sizes = [state["batch_size"], *state["planned"]]
+    # lowered below (as after an out-of-memory error), or raised above, every size the checkpoint asks for
+    value = min(sizes) - 3 if bound == "max_batch_size" else max(sizes) + 3
+    pl.seed_everything(0)
+    cb = SimiGrad(target_similarity=0.9, **{bound: value})
+    t = trainer(callbacks=[cb], max_epochs=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t.fit(
+            Regressor(dropout=0.2),
+            DataLoader(IndexedRegression(N), batch_size=16, shuffle=True),
+            ckpt_path=checkpoints / "step=4.ckpt",
+        )
+    trained = [h["batch_size"] for h in cb.history[:-1]]  # the epoch's last window takes what is left
+    assert trained and all(size <= value if bound == "max_batch_size" else size >= value for size in trained)
+    (warning,) = [str(w.message) for w in caught if "outside this fit's bounds" in str(w.message)]
+    assert "differs from the uninterrupted one" in warning
+
+
+@pytest.mark.timeout(300)
 def test_a_mid_epoch_checkpoint_of_another_training_set_is_refused(checkpoints):
     pl.seed_everything(0)
     model = Regressor(dropout=0.2)
