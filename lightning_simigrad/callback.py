@@ -695,7 +695,6 @@ class SimiGrad(Callback):
             "controller": self.controller.state_dict(),
             "samples_seen": self.samples_seen,
             "steps": self.steps,
-            "accumulation": self._window.num_micro_batches if self._window is not None else 0,
             "seed": self.schedule.seed,
             # the epoch the counted samples belong to: the one whose windows are being trained
             "epoch": self.schedule.current.epoch,

@@ -13,7 +13,8 @@ Format history:
   the batch sizes of the windows planned but not yet trained when it was written (``planned``), the world
   size and the epoch's sample count, so that a run resumed in the middle of an epoch trains exactly the
   windows the uninterrupted run would have; and (optional) ``rng``, every rank's random generator states
-  (:mod:`lightning_simigrad.rng`).
+  (:mod:`lightning_simigrad.rng`). Earlier writers of format 1 also saved ``accumulation`` (the micro-batches of
+  the last window), which nothing reads: it is no longer written, and ignored where present.
 """
 
 from __future__ import annotations
