@@ -732,6 +732,7 @@ class SimiGrad(Callback):
         # Lightning calls `load_state_dict` only when the checkpoint holds a state for this callback
         self._loaded, self._resumed_without_state = {}, self.state_key not in checkpoint.get("callbacks", {})
         self._forget_pending_rng()  # an earlier resume's, if its fit ended before a batch
+        self._window_rng = None
         self.schedule = self.controller = None  # built again from the checkpoint's state when the data loads
 
     @override
@@ -771,7 +772,8 @@ class SimiGrad(Callback):
         self._detach(trainer)
 
     def _forget_pending_rng(self) -> None:
-        self._rng, self._rng_at_first_batch, self._window_rng = None, False, None
+        """Drop the checkpoint's generator states that wait to be restored, and the hook that restores them."""
+        self._rng, self._rng_at_first_batch = None, False
         self._progress.before_next_epoch = None
 
     def _detach(self, trainer: pl.Trainer) -> None:
