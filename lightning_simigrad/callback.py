@@ -43,7 +43,13 @@ from lightning_simigrad.progress import SampleProgress
 from lightning_simigrad.progress_bar import EpochProgress, postfix_fields
 from lightning_simigrad.rng import all_ranks_rng_states, rng_state, set_rng_state
 from lightning_simigrad.sample_counts import FitLength, epoch_limit, validation_interval
-from lightning_simigrad.sampler import AdaptiveBatchSampler, ResumePoint, WindowSchedule, with_batch_sampler
+from lightning_simigrad.sampler import (
+    AdaptiveBatchSampler,
+    ResumePoint,
+    WindowSchedule,
+    shuffles,
+    with_batch_sampler,
+)
 from lightning_simigrad.statistics import HalfStats
 from lightning_simigrad.window_measurement import WindowHalvesMeasurement
 
@@ -213,7 +219,7 @@ class SimiGrad(Callback):
         self._window: Window | None = None
         self._micro = 0
         self._fed = [0, 0]  # samples whose backward ran in this window: first half, second half (all ranks)
-        self._epoch_samples_done = 0
+        self._epoch_samples_done = 0  # the sampler's position: samples of the committed windows, skipped ones too
         self._last_similarity = math.nan
         self._batch_range = (2**63, 0)  # smallest and largest step of this process's fits
         self._b0_steps = 0  # the samples trained so far, in steps of B0 (what the fixed batch takes)
@@ -273,7 +279,7 @@ class SimiGrad(Callback):
         if not self._active:
             return loader
         if self.schedule is None:
-            self._create_schedule(trainer, loader.batch_size)
+            self._create_schedule(trainer, loader.batch_size, order)
         assert self.schedule is not None
         limit = self._epoch_samples()
         self.schedule.epoch_limit = limit if limit < len(order) else None
@@ -293,7 +299,7 @@ class SimiGrad(Callback):
         per_device = self._batch_size_before_tuning or loader_batch_size
         return self.initial_batch_size or per_device * self._world_size * int(trainer.accumulate_grad_batches)
 
-    def _create_schedule(self, trainer: pl.Trainer, loader_batch_size: int) -> None:
+    def _create_schedule(self, trainer: pl.Trainer, loader_batch_size: int, order: Any) -> None:
         world = self._world_size
         min_micro_batches = 2 if world == 1 else 1
         self._b0 = self._initial_batch_size(trainer, loader_batch_size)
@@ -309,7 +315,7 @@ class SimiGrad(Callback):
         if "controller" in self._loaded:
             self.controller.load_state_dict(self._loaded["controller"])
         self.schedule = WindowSchedule(
-            batch_size=self._loaded.get("batch_size", self.controller.batch_size),
+            batch_size=self._within_bounds(self._loaded.get("batch_size", self.controller.batch_size)),
             max_micro_batch_size=self.max_micro_batch_size or loader_batch_size,
             world_size=world,
             min_micro_batches=min_micro_batches,
@@ -321,8 +327,9 @@ class SimiGrad(Callback):
         self.steps = self._loaded.get("steps", 0)
         self._progress.load_state_dict(self._loaded.get("progress", {}))
         if self._loaded:
-            self._resume(trainer)
+            self._resume(trainer, order)
         elif self._resumed_without_state:
+            self._warn_resumed_without_state(trainer)
             # counted as the fixed-batch run that wrote the checkpoint counted: its steps were B0 samples, and
             # the step schedules it restored continue from where they are
             self.steps = trainer.global_step
@@ -330,8 +337,35 @@ class SimiGrad(Callback):
             self._progress.continue_restored_schedules()
         self._validation_interval()  # refuses an interval validation would never reach, before training
 
-    def _resume(self, trainer: pl.Trainer) -> None:
-        """Pick the epoch up where the checkpoint left it, or refuse a resume that cannot be exact."""
+    def _within_bounds(self, size: int) -> int:
+        """A checkpointed batch size within this fit's bounds, which may differ from the fit that wrote it (a
+        `max_batch_size` lowered after an out-of-memory error, another world size)."""
+        assert self.controller is not None
+        size = max(size, self.controller.min_batch_size)
+        high = self.controller.max_batch_size
+        return size if high is None else min(size, high)
+
+    def _warn_resumed_without_state(self, trainer: pl.Trainer) -> None:
+        message = (
+            f"The checkpoint {trainer.ckpt_path} has no SimiGrad state (it was written by a fit without the SimiGrad"
+            " callback): SimiGrad starts again at the initial batch size B0 with a new controller, counting the"
+            " checkpoint's steps as steps of B0 samples."
+        )
+        batches = trainer.fit_loop.epoch_loop.batch_progress
+        if trainer.fit_loop.restarting and batches.current.ready > 0 and not batches.is_last_batch:
+            epoch = _epoch_being_trained(trainer)
+            message += (
+                f" It was written {batches.current.ready} batches into epoch {epoch}, and nothing in it says which"
+                f" samples they held: epoch {epoch} restarts from its first sample, so those batches' samples are"
+                " trained again (plain Lightning, too, restarts a DataLoader that cannot resume from its first"
+                " sample). Resume from a checkpoint written at an epoch's end to avoid it."
+            )
+        rank_zero_warn(message)
+
+    def _resume(self, trainer: pl.Trainer, order: Any) -> None:
+        """Pick the epoch up where the checkpoint left it, or refuse a resume that cannot be exact.
+
+        ``order`` is the sampler whose order the epoch follows."""
         assert self.schedule is not None and self._data is not None
         loaded = self._loaded
         epoch, done = loaded["epoch"], loaded["epoch_samples_done"]
@@ -346,7 +380,31 @@ class SimiGrad(Callback):
                 " that epoch cannot be identified. Resume with the same training data, or from a checkpoint written"
                 " at the end of an epoch."
             )
-        self.schedule.resume_from = ResumePoint(epoch, done, tuple(loaded["planned"]))
+        if same_epoch and (done > 0 or loaded["planned"]) and self._world_size == 1 and shuffles(order) is None:
+            # (under DDP the sampler refuses such an order)
+            rank_zero_warn(
+                f"The checkpoint {trainer.ckpt_path} was written in the middle of epoch {epoch}, and the training"
+                f" DataLoader's `{type(order).__name__}` has an order SimiGrad cannot regenerate (only a RandomSampler"
+                " without replacement and a SequentialSampler have one): the rest of the epoch is taken from a new"
+                f" draw of that order, past its first {done} samples, not from the order the interrupted run was"
+                " following. Unless the sampler yields the same order every time, the resumed run trains other"
+                f" samples in epoch {epoch} than the uninterrupted run. Resume from a checkpoint written at an epoch's"
+                " end for an exact resume."
+            )
+        planned = tuple(self._within_bounds(size) for size in loaded["planned"])
+        self.schedule.resume_from = ResumePoint(epoch, done, planned)
+        if self.schedule.batch_size != loaded["batch_size"] or planned != tuple(loaded["planned"]):
+            assert self.controller is not None
+            low, high = self.controller.min_batch_size, self.controller.max_batch_size
+            need = self.schedule.world_size * self.schedule.min_micro_batches
+            rank_zero_warn(
+                f"The checkpoint {trainer.ckpt_path} asks for batch sizes outside this fit's bounds, {low} to"
+                f" {'any size' if high is None else high} (`min_batch_size` and `max_batch_size`, and at least the"
+                f" {need} samples a measurement needs on {self._world_size} rank(s)): its batch size"
+                f" {loaded['batch_size']} and the windows it had planned, {list(loaded['planned'])}, are brought"
+                f" within them ({self.schedule.batch_size}, {list(planned)}). The resumed run therefore differs from"
+                " the uninterrupted one from its first step."
+            )
         self._epoch_samples_done = done if mid_epoch else 0
         states = loaded.get("rng")
         if states is not None and len(states) == self._world_size:  # on other ranks, their streams start anew
@@ -536,7 +594,8 @@ class SimiGrad(Callback):
         self.schedule.current.commit()
         before = self._epoch_samples_done, self.samples_seen
         self.samples_seen += fed
-        self._epoch_samples_done += fed
+        # the epoch's position is where the sampler stands: the whole window it drew, skipped micro-batches too
+        self._epoch_samples_done += window.total
         self._progress.record_step(before[0], self._epoch_samples_done, before[1], self.samples_seen)
         if stats is not None:
             next_size = self.controller.update(stats, adjust=self.adjust)
@@ -636,7 +695,6 @@ class SimiGrad(Callback):
             "controller": self.controller.state_dict(),
             "samples_seen": self.samples_seen,
             "steps": self.steps,
-            "accumulation": self._window.num_micro_batches if self._window is not None else 0,
             "seed": self.schedule.seed,
             # the epoch the counted samples belong to: the one whose windows are being trained
             "epoch": self.schedule.current.epoch,
@@ -655,9 +713,15 @@ class SimiGrad(Callback):
     ) -> None:
         state = checkpoint.get("callbacks", {}).get(self.state_key)
         if state:
-            # the generators where the resumed run picks up: now, or as the window a resume trains again started
+            # the generators where the resumed run picks up: now, or as the window a resume trains again started, or,
+            # resumed and before the first batch, the checkpoint's states that still wait to be restored there
             inside = self.schedule is not None and self.schedule.current.inside_window
-            local = self._window_rng if inside and self._window_rng is not None else rng_state()
+            if self._rng is not None and self._rng_at_first_batch:
+                local = self._rng
+            elif inside and self._window_rng is not None:
+                local = self._window_rng
+            else:
+                local = rng_state()
             # every rank's: a collective, on all ranks as Lightning's own saving is (it ends in a barrier)
             state["rng"] = all_ranks_rng_states(local)
 
@@ -667,13 +731,9 @@ class SimiGrad(Callback):
     ) -> None:
         # Lightning calls `load_state_dict` only when the checkpoint holds a state for this callback
         self._loaded, self._resumed_without_state = {}, self.state_key not in checkpoint.get("callbacks", {})
+        self._forget_pending_rng()  # an earlier resume's, if its fit ended before a batch
+        self._window_rng = None
         self.schedule = self.controller = None  # built again from the checkpoint's state when the data loads
-        if self._resumed_without_state:
-            rank_zero_warn(
-                f"The checkpoint {trainer.ckpt_path} has no SimiGrad state (it was written by a fit without the"
-                " SimiGrad callback): SimiGrad starts again at the initial batch size B0 with a new controller,"
-                " counting the checkpoint's steps as steps of B0 samples."
-            )
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -711,7 +771,13 @@ class SimiGrad(Callback):
         # Lightning skips `teardown` after an error: leave the gradient whole and the Trainer as it was
         self._detach(trainer)
 
+    def _forget_pending_rng(self) -> None:
+        """Drop the checkpoint's generator states that wait to be restored, and the hook that restores them."""
+        self._rng, self._rng_at_first_batch = None, False
+        self._progress.before_next_epoch = None
+
     def _detach(self, trainer: pl.Trainer) -> None:
+        self._forget_pending_rng()  # a resumed fit that ended before its first batch never restored them
         self._halves.restore()  # a fit stopped inside a window leaves the gradient whole
         self._accumulation.detach()
         self._lr.detach()

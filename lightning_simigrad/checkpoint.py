@@ -4,7 +4,8 @@ The callback saves a dict of plain scalars and lists under its ``state_key`` in 
 module owns its shape. :func:`validate_state` runs when Lightning restores the callback, before the first step,
 and refuses -- with the checkpoint's path, the field, the value and what to do -- a state that is malformed
 (damaged, edited, written by another program) or written in a format this version cannot read. A run never
-starts from a state it would misread.
+starts from a state it would misread, and never stops at its first batch on random generator states it cannot
+restore: every rank's are checked, field by field, as :mod:`lightning_simigrad.rng` writes them.
 
 Format history:
 
@@ -12,14 +13,18 @@ Format history:
   the batch sizes of the windows planned but not yet trained when it was written (``planned``), the world
   size and the epoch's sample count, so that a run resumed in the middle of an epoch trains exactly the
   windows the uninterrupted run would have; and (optional) ``rng``, every rank's random generator states
-  (:mod:`lightning_simigrad.rng`).
+  (:mod:`lightning_simigrad.rng`). Earlier writers of format 1 also saved ``accumulation`` (the micro-batches of
+  the last window), which nothing reads: it is no longer written, and ignored where present.
 """
 
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Callable
 from typing import Any
+
+import torch
 
 __all__ = ["FORMAT_VERSION", "validate_state"]
 
@@ -111,18 +116,120 @@ def validate_state(state: Any, where: str) -> dict[str, Any]:
     _check_fields(state, _FIELDS, prefix, "")
     _check_fields(state["controller"], _CONTROLLER_FIELDS, prefix, "controller.")
     _check_fields(state["progress"], _PROGRESS_FIELDS, prefix, "progress.")
-    rng = state.get("rng")
-    if rng is not None and not (isinstance(rng, list) and all(isinstance(r, dict) and "torch" in r for r in rng)):
+    if state.get("rng") is not None:
+        _check_rng(state["rng"], prefix)
+    if state["epoch_samples_done"] > state["epoch_length"]:
         raise ValueError(
-            f"{prefix} has an `rng` that is not a list of random generator states: the file is damaged or was"
-            " edited. Delete the `rng` entry to resume without restoring them, or resume from another checkpoint."
-        )
-    if state["epoch_samples_done"] > state["samples_seen"]:
-        raise ValueError(
-            f"{prefix} is inconsistent: `epoch_samples_done` ({state['epoch_samples_done']}) exceeds `samples_seen`"
-            f" ({state['samples_seen']}). The file is damaged; resume from another checkpoint."
+            f"{prefix} is inconsistent: `epoch_samples_done` ({state['epoch_samples_done']}) exceeds `epoch_length`"
+            f" ({state['epoch_length']}). The file is damaged; resume from another checkpoint."
         )
     return state
+
+
+def _torch_state_bytes() -> int:
+    return int(torch.get_rng_state().numel())
+
+
+_MT_WORDS = 624  # the Mersenne Twister's state (Python's `random`, NumPy's legacy generator): 624 32-bit words
+
+
+def _word(value: Any) -> bool:
+    return _non_negative_int(value) and value < 2**32
+
+
+def _python_state(value: Any) -> bool:
+    """``[version, internal, gauss]`` as ``random.getstate()`` returns it: 624 words and a position of at most 624."""
+    if not (isinstance(value, (list, tuple)) and len(value) == 3):
+        return False
+    version, internal, gauss = value
+    return (
+        version == random.getstate()[0]
+        and isinstance(internal, (list, tuple))
+        and len(internal) == _MT_WORDS + 1
+        and all(_word(word) for word in internal)
+        and internal[-1] <= _MT_WORDS
+        and (gauss is None or isinstance(gauss, float))
+    )
+
+
+def _numpy_state(value: Any) -> bool:
+    """``[kind, keys, position, has_gauss, cached_gaussian]`` as ``numpy.random.get_state()`` returns it."""
+    if not (isinstance(value, (list, tuple)) and len(value) == 5):
+        return False
+    kind, keys, position, has_gauss, cached = value
+    return (
+        kind == "MT19937"
+        and isinstance(keys, (list, tuple))
+        and len(keys) == _MT_WORDS
+        and all(_word(key) for key in keys)
+        and _non_negative_int(position)
+        and position <= _MT_WORDS
+        and has_gauss in (0, 1)
+        and _finite_number(cached)
+    )
+
+
+def _bytes_of(length: int) -> Callable[[Any], bool]:
+    return lambda value: isinstance(value, bytes) and len(value) == length
+
+
+_CUDA_STATE_BYTES = 16  # a CUDA generator's seed and Philox offset
+
+
+def _rng_fields() -> dict[str, tuple[Callable[[Any], bool], str, str, bool]]:
+    """field -> (check, what it holds, what it must be, required), as :func:`lightning_simigrad.rng.rng_state`
+    writes it."""
+    words = f"{_MT_WORDS} ints in [0, 2**32)"
+    return {
+        "torch": (_bytes_of(_torch_state_bytes()), "torch CPU generator state", f"{_torch_state_bytes()} bytes", True),
+        "python": (
+            _python_state,
+            "Python `random` state",
+            f"a list [3, {_MT_WORDS + 1} ints ({words} and a position of at most {_MT_WORDS}), None or a float]",
+            True,
+        ),
+        "cuda": (_bytes_of(_CUDA_STATE_BYTES), "CUDA generator state", f"{_CUDA_STATE_BYTES} bytes", False),
+        "numpy": (
+            _numpy_state,
+            "NumPy global generator state",
+            f"a list ['MT19937', {words}, a position of at most {_MT_WORDS}, 0 or 1, a finite float]",
+            False,
+        ),
+    }
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return f"{text} ({len(value)} bytes)" if isinstance(value, bytes) else text
+
+
+def _check_rng(rng: Any, prefix: str) -> None:
+    """Every rank's random generator states are whole: restoring them cannot fail in the middle of training."""
+    fix = (
+        "The file is damaged or was edited. Delete the `rng` entry to resume without restoring the random generator"
+        " states, or resume from another checkpoint."
+    )
+    if not isinstance(rng, list):
+        raise ValueError(f"{prefix} has `rng` = {_short(rng)}, which must be a list of every rank's states. {fix}")
+    fields = _rng_fields()
+    for rank, entry in enumerate(rng):
+        if not isinstance(entry, dict):
+            raise ValueError(
+                f"{prefix} has `rng[{rank}]` = {_short(entry)}: rank {rank}'s random generator states must be a dict."
+                f" {fix}"
+            )
+        for name, (check, what, expected, required) in fields.items():
+            if name not in entry:
+                if required:
+                    raise ValueError(f"{prefix} lacks `rng[{rank}].{name}`, rank {rank}'s {what}. {fix}")
+                continue
+            if not check(entry[name]):
+                raise ValueError(
+                    f"{prefix} has `rng[{rank}].{name}` = {_short(entry[name])}: rank {rank}'s {what} must be"
+                    f" {expected}. {fix}"
+                )
 
 
 def _check_fields(

@@ -39,7 +39,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Rando
 
 from lightning_simigrad.plan import Window, plan_window
 
-__all__ = ["AdaptiveBatchSampler", "EpochPlan", "ResumePoint", "WindowSchedule", "with_batch_sampler"]
+__all__ = ["AdaptiveBatchSampler", "EpochPlan", "ResumePoint", "WindowSchedule", "shuffles", "with_batch_sampler"]
 
 
 @dataclass
@@ -124,8 +124,8 @@ class ResumePoint:
     Args:
         epoch: the epoch the run was training.
         samples_done: samples of that epoch's committed windows (the sampler skips them).
-        planned: batch sizes of the windows planned but not committed when the checkpoint was written;
-            they are planned again, in order, before the controller's current batch size is used.
+        planned: batch sizes of the windows planned but not committed when the checkpoint was written, within
+            this fit's bounds; they are planned again, in order, before the controller's current batch size is used.
     """
 
     epoch: int
@@ -172,6 +172,21 @@ class WindowSchedule:
             even_micro_batches=self.min_micro_batches >= 2,
             take_small_remainder=take_small_remainder,
         )
+
+
+def shuffles(sampler: Any) -> bool | None:
+    """Whether the sampler's order is a permutation SimiGrad regenerates (True), the sequence (False), or an order it
+    can only take as it comes (None: a sampler with replacement, of its own length, weighted or of the user's own),
+    which a resumed run cannot pick up in the middle of an epoch."""
+    if isinstance(sampler, DistributedSampler):
+        return sampler.shuffle
+    if isinstance(sampler, RandomSampler):
+        if sampler.replacement or sampler._num_samples is not None:
+            return None  # a sampler with replacement or its own length has an order we can't regenerate
+        return True
+    if isinstance(sampler, SequentialSampler):
+        return False
+    return None
 
 
 class AdaptiveBatchSampler(BatchSampler):
@@ -222,16 +237,7 @@ class AdaptiveBatchSampler(BatchSampler):
 
     def _shuffles(self) -> bool | None:
         """True/False for orders we generate ourselves, None for a foreign sampler's own order."""
-        sampler = self.sampler
-        if isinstance(sampler, DistributedSampler):
-            return sampler.shuffle
-        if isinstance(sampler, RandomSampler):
-            if sampler.replacement or sampler._num_samples is not None:
-                return None  # a sampler with replacement or its own length has an order we can't regenerate
-            return True
-        if isinstance(sampler, SequentialSampler):
-            return False
-        return None
+        return shuffles(self.sampler)
 
     def epoch_order(self, epoch: int) -> list[int]:
         """The global index order of an epoch: identical on every rank, and again after a resume."""
@@ -255,8 +261,7 @@ class AdaptiveBatchSampler(BatchSampler):
         resume = schedule.resume_from
         if resume is not None and resume.epoch == epoch:
             position = resume.samples_done
-            # below the smallest batch this world size can measure (a resume on more ranks): the smallest
-            replay = deque(max(size, schedule.world_size * schedule.min_micro_batches) for size in resume.planned)
+            replay = deque(resume.planned)
         # the fit's sample budget cuts the window that reaches it to exactly what is left; windows after it
         # are planned as usual but never trained (the callback stops the fit), so the epoch does not
         # look finished to Lightning, as with any stop in the middle of an epoch

@@ -64,12 +64,15 @@ def install() -> None:
 
     def update_main_process_results_with_states(self: Any, trainer: pl.Trainer, extra: dict[str, Any]) -> None:
         path = extra.pop(_KEY, None)
-        update_main_process_results(self, trainer, extra)
-        if path is None:
-            return
-        with open(path, "rb") as file:
-            states = pickle.load(file)  # written just now by this fit's rank 0, from the same callbacks
-        shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+        try:
+            update_main_process_results(self, trainer, extra)
+            if path is None:
+                return
+            with open(path, "rb") as file:
+                states = pickle.load(file)  # written just now by this fit's rank 0, from the same callbacks
+        finally:
+            if path is not None:  # the folder goes whatever fails, Lightning's own reading included
+                shutil.rmtree(os.path.dirname(path), ignore_errors=True)
         # the launching process holds the same callbacks, in the same order, as the children copied
         for callback, state in zip(_carriers(trainer), states):
             callback.load_spawn_state(state)

@@ -1,6 +1,6 @@
 """The training script the fault-tolerance tests launch (with torchrun, or as one plain process), and its log.
 
-    torchrun --nproc-per-node=2 --max-restarts=2 tests/fault_worker.py --out OUT --kill-at 10
+    torchrun --nproc-per-node=2 --max-restarts=1 tests/fault_worker.py --out OUT --kill-at 10
 
 Every run of it -- each attempt of each rank -- appends JSON lines to its own ``OUT/log.rank{R}.pid{P}.jsonl``:
 one ``start`` line (the SimiGrad steps the run resumed from), one ``step`` line per optimizer step (the samples
@@ -12,7 +12,8 @@ Faults, each injected once per output folder (a marker file remembers it across 
 
 - ``--kill-at K``: rank ``--fault-rank`` SIGKILLs itself in the middle of window ``K`` (its second micro-batch);
 - ``--hang-at K``: that rank stops there until something kills it (a test kills its whole node);
-- ``--crash-writing K``: the process SIGKILLs itself halfway through writing the ``K``-th checkpoint file.
+- ``--crash-writing K``: the process that writes checkpoints (rank 0: Lightning writes them there only) SIGKILLs
+  itself halfway through writing the ``K``-th checkpoint file; ``--fault-rank`` does not apply.
 """
 
 from __future__ import annotations

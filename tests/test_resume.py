@@ -17,7 +17,7 @@ import pytest
 import torch
 from helpers import IndexedRegression, Regressor, trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, WeightedRandomSampler
 
 from lightning_simigrad import SimiGrad
 
@@ -127,16 +127,15 @@ def checkpoints(tmp_path_factory):
     return root
 
 
-def resume_with_state(tmp_path, source, change):
+def resume_with_state(tmp_path, source, change, model, **simigrad):
+    """Fits ``model`` from ``source`` with its SimiGrad state changed by ``change``."""
     checkpoint = torch.load(source, weights_only=False)
     change(checkpoint["callbacks"])
     path = tmp_path / "changed.ckpt"
     torch.save(checkpoint, path)
     pl.seed_everything(0)
-    model = Regressor(dropout=0.2)
-    t = trainer(callbacks=[SimiGrad(target_similarity=0.9)], max_epochs=1)
+    t = trainer(callbacks=[SimiGrad(target_similarity=0.9, **simigrad)], max_epochs=1)
     t.fit(model, DataLoader(IndexedRegression(N), batch_size=16, shuffle=True), ckpt_path=path)
-    return model
 
 
 def set_field(name, value):
@@ -165,15 +164,80 @@ def drop_field(name):
         (set_field("planned", ["16"]), "`planned` = \\['16'\\], which must be a list of positive ints"),
         (set_field("epoch_samples_done", 10**6), "inconsistent: `epoch_samples_done` \\(1000000\\) exceeds"),
         (lambda callbacks: callbacks.update(SimiGrad=[1, 2]), "is a `list`, not a dict"),
+        (
+            lambda callbacks: callbacks["SimiGrad"]["rng"][0].pop("python"),
+            "lacks `rng\\[0\\].python`, rank 0's Python `random` state",
+        ),
+        (
+            lambda callbacks: callbacks["SimiGrad"]["rng"][0].update(torch=bytes(10)),
+            "`rng\\[0\\].torch` = b'.*' \\(10 bytes\\): rank 0's torch CPU generator state must be 5056 bytes",
+        ),
+        (
+            lambda callbacks: callbacks["SimiGrad"]["rng"][0]["numpy"].__setitem__(1, [7] * 5),
+            "`rng\\[0\\].numpy` = .*: rank 0's NumPy global generator state must be a list",
+        ),
     ],
-    ids=["newer", "unversioned", "negative", "missing", "nan", "wrong-type", "inconsistent", "not-a-dict"],
+    ids=[
+        *("newer", "unversioned", "negative", "missing", "nan", "wrong-type", "inconsistent", "not-a-dict"),
+        *("rng-missing", "rng-torch-size", "rng-numpy-keys"),
+    ],
 )
 def test_a_malformed_or_incompatible_state_is_refused_before_training(tmp_path, checkpoints, change, message):
-    model = Regressor()
+    model = Regressor(dropout=0.2)
     with pytest.raises(ValueError, match=message) as info:
-        model = resume_with_state(tmp_path, checkpoints / "step=4.ckpt", change)
+        resume_with_state(tmp_path, checkpoints / "step=4.ckpt", change, model)
     assert "changed.ckpt" in str(info.value)  # names the file
-    assert model.micro_batches == []  # no step trained
+    assert model.micro_batches == []  # the refused fit trained no micro-batch
+
+
+class SaveAtTrainStart(pl.Callback):
+    """Writes ``path`` before the first batch, and ends the fit there."""
+
+    def __init__(self, path) -> None:
+        self.path = path
+
+    def on_train_start(self, trainer, pl_module):
+        trainer.save_checkpoint(self.path)
+        trainer.should_stop = True
+
+
+@pytest.mark.timeout(300)
+def test_a_checkpoint_written_after_a_resume_before_the_first_batch_keeps_the_generators_to_restore(
+    tmp_path, checkpoints
+):
+    source = torch.load(checkpoints / "step=4.ckpt", weights_only=False)["callbacks"]["SimiGrad"]
+    pl.seed_everything(1)  # other generator states than those the checkpoint holds
+    cb = SimiGrad(target_similarity=0.9, max_batch_size=150)
+    t = trainer(callbacks=[cb, SaveAtTrainStart(tmp_path / "again.ckpt")], max_epochs=1)
+    model = Regressor(dropout=0.2)
+    t.fit(model, DataLoader(IndexedRegression(N), batch_size=16, shuffle=True), ckpt_path=checkpoints / "step=4.ckpt")
+    assert model.micro_batches == []
+    again = torch.load(tmp_path / "again.ckpt", weights_only=False)["callbacks"]["SimiGrad"]
+    assert again["rng"] == source["rng"]  # restored at the first batch, which this fit never reached
+    assert cb._rng is None  # and forgotten when the fit ended
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("bound", ["max_batch_size", "min_batch_size"])
+def test_bounds_changed_at_resume_hold_from_the_first_step_with_one_warning(checkpoints, bound):
+    state = torch.load(checkpoints / "step=4.ckpt", weights_only=False)["callbacks"]["SimiGrad"]
+    sizes = [state["batch_size"], *state["planned"]]
+    # lowered below (as after an out-of-memory error), or raised above, every size the checkpoint asks for
+    value = min(sizes) - 3 if bound == "max_batch_size" else max(sizes) + 3
+    pl.seed_everything(0)
+    cb = SimiGrad(target_similarity=0.9, **{bound: value})
+    t = trainer(callbacks=[cb], max_epochs=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t.fit(
+            Regressor(dropout=0.2),
+            DataLoader(IndexedRegression(N), batch_size=16, shuffle=True),
+            ckpt_path=checkpoints / "step=4.ckpt",
+        )
+    trained = [h["batch_size"] for h in cb.history[:-1]]  # the epoch's last window takes what is left
+    assert trained and all(size <= value if bound == "max_batch_size" else size >= value for size in trained)
+    (warning,) = [str(w.message) for w in caught if "outside this fit's bounds" in str(w.message)]
+    assert "differs from the uninterrupted one" in warning
 
 
 @pytest.mark.timeout(300)
@@ -185,6 +249,19 @@ def test_a_mid_epoch_checkpoint_of_another_training_set_is_refused(checkpoints):
     with pytest.raises(ValueError, match="epoch 0 of a training set of 300 samples; this fit's training set has 290"):
         t.fit(model, loader, ckpt_path=checkpoints / "step=4.ckpt")
     assert model.micro_batches == []
+
+
+@pytest.mark.timeout(300)
+def test_a_mid_epoch_resume_with_a_sampler_whose_order_cannot_be_regenerated_warns_once(checkpoints):
+    pl.seed_everything(0)
+    weighted = WeightedRandomSampler(torch.ones(N), num_samples=N)  # drawn with replacement: a new order each time
+    loader = DataLoader(IndexedRegression(N), batch_size=16, sampler=weighted)
+    t = trainer(callbacks=[SimiGrad(target_similarity=0.9, max_batch_size=150)], max_epochs=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t.fit(Regressor(dropout=0.2), loader, ckpt_path=checkpoints / "step=4.ckpt")
+    (warning,) = [str(w.message) for w in caught if "cannot regenerate" in str(w.message)]
+    assert "middle of epoch 0" in warning and "`WeightedRandomSampler`" in warning
 
 
 @pytest.mark.timeout(300)
@@ -203,9 +280,66 @@ def test_a_checkpoint_without_simigrad_state_resumes_at_b0_with_one_warning(tmp_
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         t.fit(model, DataLoader(IndexedRegression(N), batch_size=16, shuffle=True), ckpt_path=tmp_path / "last.ckpt")
-    assert len([w for w in caught if "has no SimiGrad state" in str(w.message)]) == 1
+    (warning,) = [str(w.message) for w in caught if "has no SimiGrad state" in str(w.message)]
+    assert "restarts" not in warning  # written at the epoch's end: the next epoch starts as it would have
     first = cb.history[0]
     assert first["batch_size"] == 16 and first["step"] == plain_steps  # B0, counted on from the checkpoint
     assert first["samples_seen"] == (plain_steps + 1) * 16
     assert first["lr"] == pytest.approx(restored_lr)  # the restored schedule continues where it was
     assert sorted(i for m in model.micro_batches for i in m) == list(range(N))  # the second epoch, once each
+
+
+# ---------------------------------------------------------------------------------------------- skipped micro-batches
+class SkipFirst(Regressor):
+    """Returns None (Lightning's skip) for the fit's first micro-batch, whose samples the sampler drew all the same."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return None if len(self.micro_batches) == 1 else loss
+
+
+class StopAfter(pl.Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            trainer.should_stop = True  # after the checkpoint callback (listed before) has saved this step
+
+
+@pytest.mark.timeout(300)
+def test_a_skipped_micro_batch_does_not_shift_where_a_mid_epoch_resume_starts(tmp_path):
+    pl.seed_everything(0)
+    first = SkipFirst()
+    every_step = ModelCheckpoint(dirpath=tmp_path, filename="{step}", save_top_k=-1, every_n_train_steps=1)
+    cb = SimiGrad(target_similarity=0.9, max_batch_size=150)
+    t = trainer(callbacks=[cb, every_step, StopAfter(4)], max_epochs=1, enable_checkpointing=True)
+    t.fit(first, DataLoader(IndexedRegression(N), batch_size=16, shuffle=True))
+    second = Regressor()
+    t = trainer(callbacks=[SimiGrad(target_similarity=0.9, max_batch_size=150)], max_epochs=1)
+    t.fit(second, DataLoader(IndexedRegression(N), batch_size=16, shuffle=True), ckpt_path=tmp_path / "step=4.ckpt")
+    # across the two runs every sample of the epoch reached `training_step` exactly once
+    fed = [i for m in first.micro_batches + second.micro_batches for i in m]
+    assert sorted(fed) == list(range(N))
+    # the epoch's position is where the sampler stands (the skipped samples were drawn); samples seen count what
+    # was fed
+    state = torch.load(tmp_path / "step=4.ckpt", weights_only=False)["callbacks"]["SimiGrad"]
+    skipped = len(first.micro_batches[0])
+    assert state["epoch_samples_done"] == sum(len(m) for m in first.micro_batches) == state["samples_seen"] + skipped
+
+
+@pytest.mark.timeout(300)
+def test_a_mid_epoch_checkpoint_without_simigrad_state_says_that_the_epoch_restarts(tmp_path):
+    pl.seed_everything(0)
+    every_4 = ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=4, save_top_k=-1)
+    plain = trainer(callbacks=[every_4], max_epochs=1, enable_checkpointing=True)
+    plain.fit(Regressor(), DataLoader(IndexedRegression(N), batch_size=16, shuffle=True))
+
+    model = Regressor()
+    t = trainer(callbacks=[SimiGrad(target_similarity=0.9, max_batch_size=150)], max_epochs=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t.fit(model, DataLoader(IndexedRegression(N), batch_size=16, shuffle=True), ckpt_path=tmp_path / "step=4.ckpt")
+    (warning,) = [str(w.message) for w in caught if "has no SimiGrad state" in str(w.message)]
+    assert "written 4 batches into epoch 0" in warning and "epoch 0 restarts from its first sample" in warning
+    assert sorted(i for m in model.micro_batches for i in m) == list(range(N))  # the whole epoch, once

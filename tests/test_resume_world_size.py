@@ -73,7 +73,7 @@ def steps_of(ranks: list[dict]) -> list[dict]:
     """Every step with the samples of all ranks together."""
     assert all(r["history"] == ranks[0]["history"] for r in ranks)  # every rank took the same decisions
     steps = []
-    for per_rank in zip(*(r["steps"] for r in ranks)):
+    for per_rank in zip(*(r["steps"] for r in ranks), strict=True):
         steps.append(dict(epoch=per_rank[0]["epoch"], samples=[i for s in per_rank for i in s["samples"]]))
     return steps
 
@@ -106,12 +106,16 @@ def test_a_checkpoint_resumes_on_another_number_of_ranks(tmp_path, sources, worl
     trained = before + after
     for epoch in (0, 1):
         assert sorted(i for s in trained if s["epoch"] == epoch for i in s["samples"]) == list(range(N))
-    assert len(history) == len(after) and all(len(s["samples"]) == h["batch_size"] for s, h in zip(after, history))
+    assert len(history) == len(after)
+    assert all(len(s["samples"]) == h["batch_size"] for s, h in zip(after, history, strict=True))
     # what SimiGrad had decided carries over
     assert ranks[0]["controller"] == state["controller"]
     first = history[0]
     planned = state["planned"][0] if state["planned"] else state["batch_size"]
-    assert first["batch_size"] == max(planned, resumed_world)  # the window planned before the checkpoint
+    # the window planned before the checkpoint, raised to the smallest batch the new world size measures: two
+    # micro-batches on one process, one sample per rank under DDP (`world_size * min_micro_batches`)
+    smallest = 2 if resumed_world == 1 else resumed_world
+    assert first["batch_size"] == max(planned, smallest)
     assert first["step"] == STOP and first["samples_seen"] == state["samples_seen"] + first["batch_size"]
     b0 = state["initial_batch_size"]
     assert b0 == 4 * world  # the checkpoint's B0, not 4 x the new world size
