@@ -9,6 +9,15 @@ per optimizer step and returns the batch size to use next. Two rules:
   scale :math:`B_{noise} = \\operatorname{tr}\\Sigma / |G|^2` smoothed as McCandlish et al. advise
   (an EMA of numerator and denominator separately, divided afterwards).
 
+Both EMAs average each step's estimate in units of that step's own gradient size,
+:math:`m = (|g_A|^2 + |g_B|^2) / 2`. Training shrinks :math:`|G|^2` and :math:`\\operatorname{tr}\\Sigma`
+by orders of magnitude (on the digits recipe :math:`|G|^2` fell ~10^5-fold within 100 steps); an EMA of
+the raw values is then ruled by the large values of steps long gone, whatever its decay: it reported the
+noise scale of early training (125) where the last steps' similarity said ~2,000. In units of :math:`m`
+every step weighs alike and the past fades at the decay's rate. With equal halves the ratio is
+:math:`(B/2)(1 - \\bar c) / \\bar c` for the smoothed :math:`c = g_A \\cdot g_B / m`: the noise scale that
+inverts :math:`E[\\cos] \\approx 1 / (1 + 2 B_{noise} / B)`.
+
 Both clamp to ``[min_batch_size, max_batch_size]``, hold still during ``warmup_steps`` and inside a
 ``deadband`` around the target, and ignore non-finite measurements (a mixed-precision overflow).
 """
@@ -122,6 +131,7 @@ class BatchSizeController:
         # x1.1 / x0.9 at small sizes are not swallowed by rounding (the paper's code loses them).
         self._size = float(self._clamp(initial_batch_size))
         self._similarity = _Ema(smoothing)
+        # |G|^2 and tr(Sigma), each step's in units of its mean |g_half|^2 (see the module docstring)
         self._grad_sq = _Ema(noise_scale_decay)
         self._trace_sigma = _Ema(noise_scale_decay)
         self.measured_steps = 0
@@ -137,8 +147,9 @@ class BatchSizeController:
             return self.batch_size  # an overflowed or empty measurement says nothing: hold
         self.measured_steps += 1
         self._similarity.update(stats.similarity)
-        self._grad_sq.update(stats.grad_sq)
-        self._trace_sigma.update(stats.trace_sigma)
+        size = 0.5 * (stats.sq_a + stats.sq_b)  # > 0 for a finite measurement
+        self._grad_sq.update(stats.grad_sq / size)
+        self._trace_sigma.update(stats.trace_sigma / size)
         if not adjust or self.measured_steps <= self.warmup_steps:
             return self.batch_size
         if abs(self.similarity - self.target_similarity) <= self.deadband:
@@ -184,8 +195,9 @@ class BatchSizeController:
             "size": self._size,
             "measured_steps": self.measured_steps,
             "similarity_ema": [self._similarity.biased, self._similarity.weight],
-            "grad_sq_ema": [self._grad_sq.biased, self._grad_sq.weight],
-            "trace_sigma_ema": [self._trace_sigma.biased, self._trace_sigma.weight],
+            # "relative": in units of each step's |g_half|^2; older checkpoints' raw EMAs are not read back
+            "relative_grad_sq_ema": [self._grad_sq.biased, self._grad_sq.weight],
+            "relative_trace_sigma_ema": [self._trace_sigma.biased, self._trace_sigma.weight],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -193,8 +205,8 @@ class BatchSizeController:
         self.measured_steps = int(state.get("measured_steps", 0))
         for key, ema in (
             ("similarity_ema", self._similarity),
-            ("grad_sq_ema", self._grad_sq),
-            ("trace_sigma_ema", self._trace_sigma),
+            ("relative_grad_sq_ema", self._grad_sq),
+            ("relative_trace_sigma_ema", self._trace_sigma),
         ):
             if key in state:
                 ema.biased, ema.weight = (float(v) for v in state[key])

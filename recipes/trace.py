@@ -58,6 +58,9 @@ def plot(history: list[dict[str, float]], path: Path, title: str, target: float 
     axes[0].plot(x, col("batch_size"), label="batch size B")
     if any(math.isfinite(v) and v > 0 for v in col("noise_scale")):
         axes[0].plot(x, col("noise_scale"), alpha=0.6, label="noise scale $B_{noise}$")
+        if target is not None and 0 < target < 1:  # the batch the target asks for
+            b_star = [2 * v * target / (1 - target) for v in col("noise_scale")]
+            axes[0].plot(x, b_star, "k--", linewidth=0.8, alpha=0.7, label=f"$B^*$ at target {target:g}")
     axes[0].set_yscale("log")
     axes[0].set_ylabel("samples")
     axes[0].legend(loc="best", fontsize=8)

@@ -1,6 +1,6 @@
 """``simigrad-train``: compose a Hydra config from the shipped configs and train one recipe.
 
-    simigrad-train                                            # digits on CPU, about two minutes
+    simigrad-train                                            # digits on CPU, under a minute
     simigrad-train experiment=resnet18_cifar10 data.root=/data/cifar-10-batches-py
     simigrad-train -m experiment=resnet18_cifar10 simigrad=paper,off seed=1,2,3
     simigrad-train experiment=resnet50_imagenet data.root=/data/imagenet debug=smoke

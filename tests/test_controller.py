@@ -72,9 +72,38 @@ def test_noise_scale_rule_jumps_to_equilibrium():
     c = BatchSizeController(0.8, initial_batch_size=64, rule="noise_scale")
     assert c.update(stats(0.0, noise_scale=300.0)) == round(equilibrium_batch_size(300.0, 0.8))
     assert c.noise_scale == pytest.approx(300.0)
-    # numerator and denominator are smoothed separately, then divided
+    # numerator and denominator are smoothed separately, each step's in units of its |g_half|^2 (m), then divided
     c.update(stats(0.0, noise_scale=100.0))
-    assert c.noise_scale == pytest.approx(((0.9 * 0.1 * 300 + 0.1 * 100) / 0.19) / 1.0)
+    m1, m2 = 1 + 300 / 50, 1 + 100 / 50
+    assert c.noise_scale == pytest.approx((0.09 * 300 / m1 + 0.1 * 100 / m2) / (0.09 / m1 + 0.1 / m2))
+
+
+def scaled_stats(noise_scale: float, grad_sq: float, n: int = 50) -> HalfStats:
+    """Noiseless halves with |G|^2 = ``grad_sq`` and tr(Sigma) = ``noise_scale * grad_sq``."""
+    return stats(0.0, n, noise_scale).scaled(grad_sq**0.5)
+
+
+def test_noise_scale_follows_a_change_while_the_gradient_shrinks():
+    # Training shrinks |G|^2 and tr(Sigma) by orders of magnitude while their ratio grows. An EMA of the raw
+    # values is then ruled by steps long gone (on the digits recipe it read 125 where the last steps said
+    # ~2,000); the smoothing must forget the past at its decay rate, whatever the past's magnitude.
+    c = BatchSizeController(0.8, initial_batch_size=64, rule="noise_scale", noise_scale_decay=0.9)
+    for _ in range(50):
+        c.update(scaled_stats(noise_scale=25.0, grad_sq=1.0))
+    assert c.noise_scale == pytest.approx(25.0)
+    for _ in range(50):  # 0.9**50: 0.5% weight left on the old steps
+        c.update(scaled_stats(noise_scale=400.0, grad_sq=1e-4))
+    assert c.noise_scale == pytest.approx(400.0, rel=0.1)
+    assert c.batch_size == pytest.approx(equilibrium_batch_size(400.0, 0.8), rel=0.1)
+
+
+def test_noise_scale_does_not_depend_on_the_gradients_units():
+    a = BatchSizeController(0.8, initial_batch_size=64, rule="noise_scale")
+    b = BatchSizeController(0.8, initial_batch_size=64, rule="noise_scale")
+    for ns, sq in ((10.0, 3.0), (40.0, 0.2), (25.0, 0.01)):
+        a.update(scaled_stats(ns, sq))
+        b.update(scaled_stats(ns, sq * 1e6))  # e.g. a loss scaled by 1000
+    assert a.noise_scale == pytest.approx(b.noise_scale) and a.batch_size == b.batch_size
 
 
 def test_state_dict_round_trip_continues_identically():

@@ -188,6 +188,23 @@ def test_bert_tiny_pydoc_smoke_trains_its_tokenizer(tmp_path: Path) -> None:
     assert (tmp_path / "tokenizer" / "vocab.txt").is_file()
 
 
+def test_bert_tiny_stdlib_smoke_on_the_standard_library(tmp_path: Path) -> None:
+    # debug=smoke reads the real standard library's email package (its smoke block) and caches nothing
+    cfg = compose_cfg(["experiment=bert_tiny_stdlib", "debug=smoke", f"output_dir={tmp_path}", *TINY])
+    assert cfg.data.source == "stdlib" and cfg.data.split == "documents"
+    _check_result(train(cfg))
+    assert (tmp_path / "tokenizer" / "vocab.txt").is_file()  # trained into the run directory, not a cache
+
+
+def test_a_sample_budget_ends_the_run_on_exactly_that_many_samples(tmp_path: Path) -> None:
+    cfg = compose_cfg([
+        "simigrad=off", "simigrad.max_samples=200", "trainer.max_epochs=5", f"output_dir={tmp_path}", *TINY,
+    ])  # fmt: skip
+    result = train(cfg)
+    assert (result["steps"], result["samples_seen"]) == (13, 200)  # 12 steps of B0 = 16, then the 8 left
+    assert "val/acc1" in result["metrics"]  # validated where it stopped, mid-epoch
+
+
 def test_digits_off_keeps_the_batch_and_still_measures(tmp_path: Path) -> None:
     cfg = compose_cfg(["simigrad=off", "debug=smoke", "logger=csv", f"output_dir={tmp_path}", "num_threads=2"])
     result = train(cfg)
