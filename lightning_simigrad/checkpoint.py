@@ -14,7 +14,10 @@ Format history:
   size and the epoch's sample count, so that a run resumed in the middle of an epoch trains exactly the
   windows the uninterrupted run would have; and (optional) ``rng``, every rank's random generator states
   (:mod:`lightning_simigrad.rng`). Earlier writers of format 1 also saved ``accumulation`` (the micro-batches of
-  the last window), which nothing reads: it is no longer written, and ignored where present.
+  the last window), which nothing reads: it is no longer written, and ignored where present. They also saved the
+  noise scale's averages of the raw |G|^2 and tr(Sigma) (``grad_sq_ema``, ``trace_sigma_ema``); the controller now
+  keeps them in units of each step's gradient size (``relative_grad_sq_ema``, ``relative_trace_sigma_ema``) and
+  starts those averages afresh from such a checkpoint.
 """
 
 from __future__ import annotations
@@ -70,9 +73,11 @@ _CONTROLLER_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "size": (lambda v: _finite_number(v) and v > 0, "a positive number"),
     "measured_steps": (_non_negative_int, "a non-negative int"),
     "similarity_ema": (_ema, "two finite numbers"),
-    "grad_sq_ema": (_ema, "two finite numbers"),
-    "trace_sigma_ema": (_ema, "two finite numbers"),
+    "relative_grad_sq_ema": (_ema, "two finite numbers"),
+    "relative_trace_sigma_ema": (_ema, "two finite numbers"),
 }
+# what earlier writers of format 1 saved instead of the relative averages (checked, then not read)
+_RAW_NOISE_EMAS = {"relative_grad_sq_ema": "grad_sq_ema", "relative_trace_sigma_ema": "trace_sigma_ema"}
 _PROGRESS_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "scheduler_steps": (_list_of(_non_negative_int), "a list of non-negative ints"),
 }
@@ -114,7 +119,11 @@ def validate_state(state: Any, where: str) -> dict[str, Any]:
             f"{prefix} has `format_version` {version!r}; this lightning_simigrad reads format {FORMAT_VERSION}. {fix}"
         )
     _check_fields(state, _FIELDS, prefix, "")
-    _check_fields(state["controller"], _CONTROLLER_FIELDS, prefix, "controller.")
+    controller_fields = dict(_CONTROLLER_FIELDS)
+    for relative, raw in _RAW_NOISE_EMAS.items():
+        if relative not in state["controller"] and raw in state["controller"]:
+            controller_fields[raw] = controller_fields.pop(relative)
+    _check_fields(state["controller"], controller_fields, prefix, "controller.")
     _check_fields(state["progress"], _PROGRESS_FIELDS, prefix, "progress.")
     if state.get("rng") is not None:
         _check_rng(state["rng"], prefix)

@@ -240,6 +240,27 @@ def test_bounds_changed_at_resume_hold_from_the_first_step_with_one_warning(chec
     assert "differs from the uninterrupted one" in warning
 
 
+def raw_noise_averages(callbacks):
+    """The controller state as written before the noise scale averaged each step relative to its gradient size."""
+    controller = callbacks["SimiGrad"]["controller"]
+    for name in ("grad_sq_ema", "trace_sigma_ema"):
+        controller[name] = controller.pop(f"relative_{name}")
+
+
+@pytest.mark.timeout(300)
+def test_an_earlier_writers_raw_noise_averages_are_accepted_and_start_afresh(tmp_path, checkpoints):
+    model = Regressor(dropout=0.2)
+    resume_with_state(tmp_path, checkpoints / "step=4.ckpt", raw_noise_averages, model)
+    assert model.micro_batches  # the resumed fit trained
+    # ... and a damaged value under the earlier name is refused, naming it
+    def damaged(callbacks):
+        raw_noise_averages(callbacks)
+        callbacks["SimiGrad"]["controller"]["grad_sq_ema"] = [math.nan, 1.0]
+
+    with pytest.raises(ValueError, match="`controller.grad_sq_ema` = \\[nan, 1.0\\]"):
+        resume_with_state(tmp_path, checkpoints / "step=4.ckpt", damaged, Regressor(dropout=0.2))
+
+
 @pytest.mark.timeout(300)
 def test_a_mid_epoch_checkpoint_of_another_training_set_is_refused(checkpoints):
     pl.seed_everything(0)
