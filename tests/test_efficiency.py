@@ -112,9 +112,9 @@ def test_quick_study_runs_every_configuration_and_resumes(tmp_path: Path) -> Non
         rows = list(csv.DictReader(f))
     for name in efficiency.TASKS:
         task_rows = [r for r in rows if r["task"] == name]
-        assert {int(r["batch"]) for r in task_rows if r["method"] == "static"} == {
-            efficiency.TASKS[name].smallest_batch * 2**i for i in range(efficiency.SIZES)
-        }
+        b0 = efficiency.with_recipe_defaults(efficiency.TASKS[name], []).smallest_batch  # B0 as the recipe sets it
+        static_batches = {int(r["batch"]) for r in task_rows if r["method"] == "static"}
+        assert static_batches == {b0 * 2**i for i in range(efficiency.SIZES)}
         assert sorted(r["method"] for r in task_rows if r["method"] != "static") == ["noise_scale", "paper", "paper"]
         assert all(math.isfinite(float(r["metric_value"])) and int(r["steps"]) > 0 for r in task_rows)
         assert all(int(r["samples"]) == int(r["budget"]) for r in task_rows)  # every run ends on its budget exactly
