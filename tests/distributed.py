@@ -44,7 +44,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(rank: int, world_size: int, port: int, timeout_s: float, fn: Callable[..., Any], args: tuple, out) -> None:
+def _child(
+    rank: int, world_size: int, port: int, timeout_s: float, fn: Callable[..., Any], args: tuple, out, teardown: bool
+) -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(1)
     # A collective that never completes fails after this instead of hanging the child forever.
@@ -54,19 +56,34 @@ def _child(rank: int, world_size: int, port: int, timeout_s: float, fn: Callable
     except BaseException:
         out.put((rank, None, traceback.format_exc()))
     finally:
+        if not teardown:  # a peer was killed: destroying the group could wait on its work towards the dead peer
+            out.close()
+            out.join_thread()  # the outcome is in the pipe
+            os._exit(0)
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
 def run_group(
-    fn: Callable[..., Any], world_size: int, *args: Any, deadline_s: float = 60.0, pg_timeout_s: float = 40.0
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    deadline_s: float = 60.0,
+    pg_timeout_s: float = 40.0,
+    teardown: bool = True,
 ) -> list[Outcome]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; every rank's outcome, in rank order."""
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; every rank's outcome, in rank order.
+
+    ``teardown=False``: each rank exits as soon as it has reported, without destroying its process group (for
+    tests that kill a rank, where the survivors' teardown is not what is measured).
+    """
     context = multiprocessing.get_context(START_METHOD)
     out = context.Queue()
     port = free_port()
     processes = [
-        context.Process(target=_child, args=(rank, world_size, port, pg_timeout_s, fn, args, out), daemon=True)
+        context.Process(
+            target=_child, args=(rank, world_size, port, pg_timeout_s, fn, args, out, teardown), daemon=True
+        )
         for rank in range(world_size)
     ]
     for process in processes:
@@ -91,7 +108,11 @@ def run_group(
         except queue.Empty:
             break
     if hung:
-        pytest.fail(f"{fn.__name__} at W={world_size}: rank(s) {hung} still running after {deadline_s} s (hang)")
+        reported = sorted(results)  # a rank that reported and still runs hung in its teardown
+        pytest.fail(
+            f"{fn.__name__} at W={world_size}: rank(s) {hung} still running after {deadline_s} s (hang);"
+            f" rank(s) {reported} had reported"
+        )
     return [Outcome(rank, p.exitcode, *results.get(rank, (None, None))) for rank, p in enumerate(processes)]
 
 

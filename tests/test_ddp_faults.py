@@ -140,7 +140,9 @@ def _one_rank_dies(rank: int, world_size: int, stage: str) -> tuple[str, float]:
 @pytest.mark.timeout(120)  # beside the group's own deadline
 def test_a_killed_rank_ends_the_others_within_seconds(world_size: int, stage: str) -> None:
     start = time.monotonic()
-    outcomes = run_group(_one_rank_dies, world_size, stage, pg_timeout_s=LONG_TIMEOUT_S, deadline_s=60.0)
+    outcomes = run_group(
+        _one_rank_dies, world_size, stage, pg_timeout_s=LONG_TIMEOUT_S, deadline_s=60.0, teardown=False
+    )
     assert outcomes[-1].exitcode == -signal.SIGKILL
     for outcome in outcomes[:-1]:
         assert outcome.error is None and outcome.value is not None, outcome
