@@ -765,7 +765,6 @@ class SimiGrad(Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
             self._detach(trainer)
-            spawn_results.release_gloo_group_at_exit(trainer)  # a ddp_spawn child: nothing is pending now
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:

@@ -14,19 +14,10 @@ The states travel through a temporary file, as Lightning's weights do, and only 
 launcher's result queue: the launching process reads that queue only after the children have exited, so a
 child putting more than the pipe's buffer (64 KiB on Linux; a ``history`` of some 600 steps) would block
 forever.
-
-A child whose fit returned also destroys its gloo process group when it exits, before the interpreter's
-finalization (Lightning leaves the group to it): :func:`release_gloo_group_at_exit`, from SimiGrad's teardown.
-Gloo's worker threads keep the last collective they ran, and with it the bucket tensors of a Python
-communication hook such as SimiGrad's; freed during the interpreter's finalization, those abort the process
-now and then (``terminate called without an active exception``), and the launching process then raises
-although the fit finished. After a successful fit no collective is pending, so the destruction waits on
-nothing. NCCL groups are left to Lightning and the user.
 """
 
 from __future__ import annotations
 
-import atexit
 import os
 import pickle
 import shutil
@@ -34,10 +25,9 @@ import tempfile
 from typing import Any, Protocol, runtime_checkable
 
 import lightning.pytorch as pl
-import torch.distributed as dist
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 
-__all__ = ["SpawnState", "install", "release_gloo_group_at_exit"]
+__all__ = ["SpawnState", "install"]
 
 _KEY = "lightning_simigrad"
 
@@ -90,24 +80,3 @@ def install() -> None:
     get_extra_results_with_states._lightning_simigrad = True  # type: ignore[attr-defined]
     launcher.get_extra_results = get_extra_results_with_states  # type: ignore[method-assign]
     launcher.update_main_process_results = update_main_process_results_with_states  # type: ignore[method-assign]
-
-
-def release_gloo_group_at_exit(trainer: pl.Trainer) -> None:
-    """In a ``ddp_spawn`` child whose fit returned: destroy its gloo group at the interpreter's exit.
-
-    ``atexit`` runs while the interpreter is whole, after Lightning has sent the results back. Once per process.
-    """
-    global _release_registered
-    if _release_registered or not isinstance(getattr(trainer.strategy, "launcher", None), _MultiProcessingLauncher):
-        return
-    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
-        atexit.register(_destroy_gloo_group)
-        _release_registered = True
-
-
-_release_registered = False
-
-
-def _destroy_gloo_group() -> None:
-    if dist.is_initialized() and dist.get_backend() == "gloo":  # unless the user destroyed it first
-        dist.destroy_process_group()

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import atexit
 import os
 import tempfile
 
-import lightning.pytorch as pl
 import pytest
-import torch.distributed as dist
 from helpers import IndexedRegression, Regressor, trainer
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from torch.utils.data import DataLoader
@@ -46,24 +43,3 @@ def test_the_states_folder_is_removed_when_lightnings_own_reading_fails():
     with pytest.raises(KeyError, match="callback_metrics_bytes"):  # Lightning's part of the results is missing
         _MultiProcessingLauncher.update_main_process_results(launcher, None, {spawn_results._KEY: path})
     assert not os.path.exists(folder)
-
-
-class ReportGroupAtExit(pl.Callback):
-    """In each child: at the interpreter's exit, writes whether a process group is still initialized."""
-
-    def __init__(self, out) -> None:
-        self.out = out
-
-    def on_train_end(self, trainer, pl_module):
-        path = self.out / f"rank{trainer.global_rank}.txt"
-        atexit.register(lambda: path.write_text(str(dist.is_initialized())))
-
-
-@pytest.mark.timeout(300)
-def test_a_spawned_child_destroys_its_gloo_group_before_it_exits(tmp_path):
-    # left to the interpreter's exit, gloo's worker threads free the hook's last tensors during finalization, and
-    # the child aborts now and then although the fit finished
-    t = trainer(devices=2, strategy="ddp_spawn", max_epochs=1, callbacks=[ReportGroupAtExit(tmp_path)])
-    t.callbacks.insert(0, SimiGrad(target_similarity=0.9))
-    t.fit(Regressor(), DataLoader(IndexedRegression(64), batch_size=8, shuffle=True))
-    assert [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)] == ["False", "False"]
