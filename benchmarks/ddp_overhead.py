@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from lightning_simigrad.ddp_measurement import RankGroupMeasurement
+from lightning_simigrad.measurement.rank_groups import RankGroupMeasurement
 
 WINDOW = 4
 MICRO_BATCH = 32

@@ -49,9 +49,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # ddp_overhead, beside this file
 from ddp_overhead import PaperPattern  # noqa: E402
 
-from lightning_simigrad import _ddp_hook  # noqa: E402
-from lightning_simigrad.ddp_measurement import RankGroupMeasurement  # noqa: E402
-from lightning_simigrad.window_measurement import WindowHalvesMeasurement  # noqa: E402
+from lightning_simigrad.measurement import _ddp_hook  # noqa: E402
+from lightning_simigrad.measurement.rank_groups import RankGroupMeasurement  # noqa: E402
+from lightning_simigrad.measurement.window_halves import WindowHalvesMeasurement  # noqa: E402
 
 START_METHOD = "forkserver"  # CUDA needs a fresh process; the server imports torch once for all ranks
 # Relative error allowed against the float64 references: DDP's mean gradient is rounded to float32 and, on
@@ -518,7 +518,7 @@ def _ddp_worker(rank: int, world: int, port: int, device_type: str, quick: bool,
 
 def check_ddp(device: str, world: int, quick: bool, deadline_s: float = 420.0) -> list[Row]:
     context = multiprocessing.get_context(START_METHOD)
-    context.set_forkserver_preload(["torch", "lightning_simigrad.ddp_measurement"])
+    context.set_forkserver_preload(["torch", "lightning_simigrad.measurement.rank_groups"])
     out = context.Queue()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

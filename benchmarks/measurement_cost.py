@@ -21,8 +21,8 @@ import time
 import torch
 from torch import nn
 
-from lightning_simigrad._dots import gram
-from lightning_simigrad.window_measurement import WindowHalvesMeasurement
+from lightning_simigrad.measurement._dots import gram
+from lightning_simigrad.measurement.window_halves import WindowHalvesMeasurement
 
 
 def main(rounds: int = 25) -> None:

@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from lightning_simigrad import _dots
-from lightning_simigrad.ddp_measurement import RankGroupMeasurement
+from lightning_simigrad.measurement import _dots
+from lightning_simigrad.measurement.rank_groups import RankGroupMeasurement
 
 WIDTH = 2048
 
@@ -120,7 +120,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 3, 4])
     args = parser.parse_args()
-    multiprocessing.get_context("forkserver").set_forkserver_preload(["torch", "lightning_simigrad.ddp_measurement"])
+    preload = ["torch", "lightning_simigrad.measurement.rank_groups"]
+    multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
     mib = 2**20
     print(" W | rank | group | peak RSS plain / measured | extra | in use, extra | bound | in-use extra / gradient")
     print("---+------+-------+---------------------------+-------+---------------+-------+------------------------")

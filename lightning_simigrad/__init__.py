@@ -3,12 +3,12 @@
 import importlib.metadata
 
 from lightning_simigrad.callback import METRICS, SimiGrad
-from lightning_simigrad.controller import BatchSizeController
-from lightning_simigrad.ddp_measurement import RankGroupMeasurement
-from lightning_simigrad.lr_scaling import lr_factor
-from lightning_simigrad.plan import Window, plan_window
-from lightning_simigrad.sampler import AdaptiveBatchSampler, WindowSchedule
-from lightning_simigrad.statistics import HalfStats, equilibrium_batch_size, expected_similarity
+from lightning_simigrad.core.controller import BatchSizeController
+from lightning_simigrad.core.lr_scaling import lr_factor
+from lightning_simigrad.core.plan import Window, plan_window
+from lightning_simigrad.core.statistics import HalfStats, equilibrium_batch_size, expected_similarity
+from lightning_simigrad.data.sampler import AdaptiveBatchSampler, WindowSchedule
+from lightning_simigrad.measurement.rank_groups import RankGroupMeasurement
 
 try:
     __version__ = importlib.metadata.version("lightning-simigrad")

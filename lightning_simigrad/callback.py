@@ -5,9 +5,9 @@ of the global batch -- the two halves of the accumulation window on one process,
 under DDP -- and grows or shrinks the batch to hold it at ``target_similarity``, scaling the learning
 rate to match. The user's LightningModule, optimizer, scheduler and DataLoader stay as they are: the
 callback swaps the training DataLoader's batch sampler for an
-:class:`~lightning_simigrad.sampler.AdaptiveBatchSampler`, makes Lightning's accumulation follow its
-windows (:mod:`lightning_simigrad.accumulation`) and counts Lightning's step-based settings in samples
-(:mod:`lightning_simigrad.progress`).
+:class:`~lightning_simigrad.data.sampler.AdaptiveBatchSampler`, makes Lightning's accumulation follow its
+windows (:mod:`lightning_simigrad.integration.accumulation`) and counts Lightning's step-based settings in samples
+(:mod:`lightning_simigrad.integration.progress`).
 """
 
 from __future__ import annotations
@@ -24,11 +24,21 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader, SequentialSampler
 from typing_extensions import override
 
-from lightning_simigrad import spawn_results
-from lightning_simigrad._ddp_scalars import scale_tensor
-from lightning_simigrad.accumulation import VariableAccumulation
-from lightning_simigrad.checkpoint import FORMAT_VERSION, validate_state
-from lightning_simigrad.compatibility import (
+from lightning_simigrad.core.controller import BatchSizeController
+from lightning_simigrad.core.lr_scaling import LR_SCALINGS, StepLRScaler, lr_factor
+from lightning_simigrad.core.plan import Window
+from lightning_simigrad.core.sample_counts import FitLength, epoch_limit, validation_interval
+from lightning_simigrad.core.statistics import HalfStats
+from lightning_simigrad.data.sampler import (
+    AdaptiveBatchSampler,
+    ResumePoint,
+    WindowSchedule,
+    shuffles,
+    with_batch_sampler,
+)
+from lightning_simigrad.integration import spawn_results
+from lightning_simigrad.integration.accumulation import VariableAccumulation
+from lightning_simigrad.integration.neighbours import (
     AppliedLRMonitor,
     batch_size_before_tuning,
     check_dataloader,
@@ -36,22 +46,12 @@ from lightning_simigrad.compatibility import (
     run_before_other_callbacks,
     tuners,
 )
-from lightning_simigrad.controller import BatchSizeController
-from lightning_simigrad.lr_scaling import LR_SCALINGS, StepLRScaler, lr_factor
-from lightning_simigrad.plan import Window
-from lightning_simigrad.progress import SampleProgress
-from lightning_simigrad.progress_bar import EpochProgress, postfix_fields
-from lightning_simigrad.rng import all_ranks_rng_states, rng_state, set_rng_state
-from lightning_simigrad.sample_counts import FitLength, epoch_limit, validation_interval
-from lightning_simigrad.sampler import (
-    AdaptiveBatchSampler,
-    ResumePoint,
-    WindowSchedule,
-    shuffles,
-    with_batch_sampler,
-)
-from lightning_simigrad.statistics import HalfStats
-from lightning_simigrad.window_measurement import WindowHalvesMeasurement
+from lightning_simigrad.integration.progress import SampleProgress
+from lightning_simigrad.integration.progress_bar import EpochProgress, postfix_fields
+from lightning_simigrad.measurement._ddp_scalars import scale_tensor
+from lightning_simigrad.measurement.window_halves import WindowHalvesMeasurement
+from lightning_simigrad.state.checkpoint import FORMAT_VERSION, validate_state
+from lightning_simigrad.state.rng import all_ranks_rng_states, rng_state, set_rng_state
 
 __all__ = ["SimiGrad", "METRICS"]
 
@@ -94,7 +94,7 @@ class SimiGrad(Callback):
         warmup_steps: measured steps before the first change.
         schedule_by_samples: count step-interval LR schedulers, ``max_steps`` and
             ``trainer.estimated_stepping_batches`` in steps of B0 samples, so that a schedule written for
-            B0 follows the data trained (see :mod:`lightning_simigrad.progress`). ``False``: Lightning's
+            B0 follows the data trained (see :mod:`lightning_simigrad.integration.progress`). ``False``: Lightning's
             own counting, per optimizer step.
         max_samples: end the fit after this many samples (the last step takes exactly what is left).
         progress_bar: show the batch size, similarity and noise scale in the progress bar's postfix.
@@ -490,7 +490,7 @@ class SimiGrad(Callback):
         # here rather than in `on_fit_start`, after every other callback's: a communication hook one of them
         # registers there is then found and refused with a clear error, not met by torch's own
         if self._world_size > 1 and self._ranks is None:
-            from lightning_simigrad.ddp_measurement import RankGroupMeasurement
+            from lightning_simigrad.measurement.rank_groups import RankGroupMeasurement
 
             self._ranks = RankGroupMeasurement()
             self._ranks.register(trainer.strategy.model)

@@ -27,7 +27,9 @@ import torch.distributed as dist
 START_METHOD = "forkserver"
 # Python 3.11's fork server ignores the parent's sys.path, so test modules are not preloadable: the
 # children import them, which is cheap after these. A fork server someone else started first still works.
-multiprocessing.get_context(START_METHOD).set_forkserver_preload(["torch", "lightning_simigrad.ddp_measurement"])
+multiprocessing.get_context(START_METHOD).set_forkserver_preload(
+    ["torch", "lightning_simigrad.measurement.rank_groups"]
+)
 
 
 @dataclass

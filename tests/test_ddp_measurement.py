@@ -15,7 +15,7 @@ from distributed import run_ok
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from lightning_simigrad.ddp_measurement import MeasurementError, RankGroupMeasurement
+from lightning_simigrad.measurement.rank_groups import MeasurementError, RankGroupMeasurement
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from gpu_check import HostSyncs, flat_grad, reference_stats, run_window  # noqa: E402  (one copy of each)
@@ -250,7 +250,7 @@ def test_low_similarity(world_size: int) -> None:
 
 
 def test_the_loss_scale_is_read_with_the_rows_in_one_transfer() -> None:
-    from lightning_simigrad import _ddp_scalars
+    from lightning_simigrad.measurement import _ddp_scalars
 
     scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
     assert _ddp_scalars.scale_tensor(scaler) == 8.0  # before its first step the scaler has no tensor yet

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_simigrad import _dots
+from lightning_simigrad.measurement import _dots
 
 
 def _pair(numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

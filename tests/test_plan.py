@@ -2,7 +2,7 @@ import itertools
 
 import pytest
 
-from lightning_simigrad.plan import min_window, plan_window
+from lightning_simigrad.core.plan import min_window, plan_window
 
 
 @pytest.mark.parametrize(

@@ -83,7 +83,7 @@ def test_fsdp_is_refused():
 
     from lightning.pytorch.strategies import FSDPStrategy
 
-    from lightning_simigrad.compatibility import refuse_unsupported
+    from lightning_simigrad.integration.neighbours import refuse_unsupported
 
     fake_trainer = SimpleNamespace(strategy=FSDPStrategy(), callbacks=[])
     with pytest.raises(RuntimeError, match="FSDPStrategy"):

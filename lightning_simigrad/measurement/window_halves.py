@@ -1,7 +1,7 @@
 r"""Half-batch statistics on one process: the two halves of the accumulation window.
 
 Gradients accumulate over the window's micro-batches. With every sample weighed by :math:`1/N`
-(see :mod:`lightning_simigrad.accumulation`), the sum over the first half's micro-batches is
+(see :mod:`lightning_simigrad.integration.accumulation`), the sum over the first half's micro-batches is
 :math:`s = (n_A / N)\, g_A` and over the second half's :math:`r = (n_B / N)\, g_B`.
 
 At the window's midpoint :meth:`WindowHalvesMeasurement.set_aside` takes the accumulated gradient
@@ -30,8 +30,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_simigrad._dots import gram_and_add_, square
-from lightning_simigrad.statistics import HalfStats
+from lightning_simigrad.core.statistics import HalfStats
+from lightning_simigrad.measurement._dots import gram_and_add_, square
 
 __all__ = ["WindowHalvesMeasurement"]
 

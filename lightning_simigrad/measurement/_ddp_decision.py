@@ -5,7 +5,7 @@ all-gather copies bytes) and sums them in rank order, so every rank returns bitw
 statistics -- or raises the same :class:`MeasurementError`, with the same message, at the same step.
 
 A row is ``[u.u, u.g, g.g, o.o, missing buckets, failure stage]`` (see
-:mod:`lightning_simigrad._ddp_scalars`); :math:`u` is group A's share of the mean gradient :math:`g`
+:mod:`lightning_simigrad.measurement._ddp_scalars`); :math:`u` is group A's share of the mean gradient :math:`g`
 and :math:`o = g - u` group B's, with :math:`g_A = (N/n_A)\,u` and :math:`g_B = (N/n_B)\,o`.
 
 >>> rows = [[4.0, 0.0, 9.0, 0.0, 0, 0], [0.0, 0.0, 0.0, 1.0, 0, 0]]  # W = 2: |u|^2 = 4, |o|^2 = 1, |g|^2 = 9
@@ -14,14 +14,14 @@ HalfStats(dot=8.0, sq_a=16.0, sq_b=4.0, n_a=2, n_b=2)
 >>> decide([[1.0, 0.0, 0.0, 0.0, 0, 0], [float("nan")] * 4 + [0, 2]], n_a=1, n_b=1, squares=True)  # doctest: +ELLIPSIS
 Traceback (most recent call last):
 ...
-lightning_simigrad._ddp_decision.MeasurementError: SimiGrad's DDP measurement failed on rank 1 (in a gradient ...
+lightning_simigrad...MeasurementError: SimiGrad's DDP measurement failed on rank 1 (in a gradient ...
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from lightning_simigrad.statistics import HalfStats
+from lightning_simigrad.core.statistics import HalfStats
 
 __all__ = ["STAGES", "MeasurementError", "decide"]
 

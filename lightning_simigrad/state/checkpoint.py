@@ -5,7 +5,7 @@ module owns its shape. :func:`validate_state` runs when Lightning restores the c
 and refuses -- with the checkpoint's path, the field, the value and what to do -- a state that is malformed
 (damaged, edited, written by another program) or written in a format this version cannot read. A run never
 starts from a state it would misread, and never stops at its first batch on random generator states it cannot
-restore: every rank's are checked, field by field, as :mod:`lightning_simigrad.rng` writes them.
+restore: every rank's are checked, field by field, as :mod:`lightning_simigrad.state.rng` writes them.
 
 Format history:
 
@@ -13,7 +13,7 @@ Format history:
   the batch sizes of the windows planned but not yet trained when it was written (``planned``), the world
   size and the epoch's sample count, so that a run resumed in the middle of an epoch trains exactly the
   windows the uninterrupted run would have; and (optional) ``rng``, every rank's random generator states
-  (:mod:`lightning_simigrad.rng`). Earlier writers of format 1 also saved ``accumulation`` (the micro-batches of
+  (:mod:`lightning_simigrad.state.rng`). Earlier writers of format 1 also saved ``accumulation`` (the micro-batches of
   the last window), which nothing reads: it is no longer written, and ignored where present. They also saved the
   noise scale's averages of the raw |G|^2 and tr(Sigma) (``grad_sq_ema``, ``trace_sigma_ema``); the controller now
   keeps them in units of each step's gradient size (``relative_grad_sq_ema``, ``relative_trace_sigma_ema``) and
@@ -186,7 +186,7 @@ _CUDA_STATE_BYTES = 16  # a CUDA generator's seed and Philox offset
 
 
 def _rng_fields() -> dict[str, tuple[Callable[[Any], bool], str, str, bool]]:
-    """field -> (check, what it holds, what it must be, required), as :func:`lightning_simigrad.rng.rng_state`
+    """field -> (check, what it holds, what it must be, required), as :func:`lightning_simigrad.state.rng.rng_state`
     writes it."""
     words = f"{_MT_WORDS} ints in [0, 2**32)"
     return {

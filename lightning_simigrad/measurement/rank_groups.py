@@ -40,7 +40,7 @@ Write :math:`b_r = h_r/W` for rank :math:`r`'s pre-divided bucket (what it contr
   per measured window. Group B's ranks take part with empty slices and compute nothing.
 
 :meth:`RankGroupMeasurement.collect` then all-gathers six float64 numbers per rank, and every rank
-sums them in rank order, so every rank gets bitwise the same :class:`~lightning_simigrad.statistics.HalfStats`
+sums them in rank order, so every rank gets bitwise the same :class:`~lightning_simigrad.core.statistics.HalfStats`
 and takes the same batch-size decision. The gradients are those of DDP's world all-reduce, computed
 exactly as its built-in reducer does (multiply by :math:`1/W`, then sum).
 
@@ -96,7 +96,7 @@ Extra memory per bucket of :math:`P_b` elements, from the hook until that bucket
 So at most one gradient's worth (two under gloo at ``W >= 4``) on group A's ranks, reached only if every
 bucket is in flight at once; on CPU these buffers are kept between windows (fresh pages cost more than the
 copies). Besides: float64 chunk scratch of at most
-:func:`lightning_simigrad._dots.scratch_bytes` per stream (16 MiB on an accelerator, 2 MiB on CPU),
+:func:`lightning_simigrad.measurement._dots.scratch_bytes` per stream (16 MiB on an accelerator, 2 MiB on CPU),
 and four float64 numbers per bucket.
 """
 
@@ -107,10 +107,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_simigrad import _ddp_scalars
-from lightning_simigrad._ddp_decision import MeasurementError, decide
-from lightning_simigrad._ddp_hook import BucketHook, Layout, Round
-from lightning_simigrad.statistics import HalfStats
+from lightning_simigrad.core.statistics import HalfStats
+from lightning_simigrad.measurement import _ddp_scalars
+from lightning_simigrad.measurement._ddp_decision import MeasurementError, decide
+from lightning_simigrad.measurement._ddp_hook import BucketHook, Layout, Round
 
 __all__ = ["MeasurementError", "RankGroupMeasurement"]
 

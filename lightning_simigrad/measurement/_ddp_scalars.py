@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_simigrad._ddp_hook import Round
+from lightning_simigrad.measurement._ddp_hook import Round
 
 __all__ = ["COLLECT", "NO_BACKWARD", "ROW", "failed_row", "fetch", "gather", "local_row", "scale_tensor"]
 

@@ -2,7 +2,7 @@
 
 :class:`AdaptiveBatchSampler` replaces the training DataLoader's batch sampler. Each time it starts a
 window it reads the batch size the controller currently asks for, plans the window
-(:func:`~lightning_simigrad.plan.plan_window`) and yields this rank's micro-batches of it. Because a
+(:func:`~lightning_simigrad.core.plan.plan_window`) and yields this rank's micro-batches of it. Because a
 DataLoader with workers draws index batches several micro-batches ahead of training, the sampler --
 not the callback -- is the authority on window boundaries: it records every window it plans in the
 :class:`WindowSchedule`, and the callback reads back, micro-batch by micro-batch, which window and
@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, Sampler, SequentialSampler
 
-from lightning_simigrad.plan import Window, plan_window
+from lightning_simigrad.core.plan import Window, plan_window
 
 __all__ = ["AdaptiveBatchSampler", "EpochPlan", "ResumePoint", "WindowSchedule", "shuffles", "with_batch_sampler"]
 

@@ -1,6 +1,6 @@
 r"""The measuring DDP communication hook: per gradient bucket, the collectives and the partial products.
 
-The math and the stream story are in :mod:`lightning_simigrad.ddp_measurement`; this module is the
+The math and the stream story are in :mod:`lightning_simigrad.measurement.rank_groups`; this module is the
 part that runs inside DDP's backward. For every bucket the hook
 
 1. divides the bucket by :math:`W` (as DDP's reducer does, so the gradients stay bitwise DDP's);
@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_simigrad import _dots
+from lightning_simigrad.measurement import _dots
 
 __all__ = ["PREPARE", "FINISH", "BucketHook", "Layout", "Round"]
 
@@ -108,7 +108,7 @@ class _Job:
 
 
 class BucketHook:
-    """The per-bucket work of :class:`~lightning_simigrad.ddp_measurement.RankGroupMeasurement`."""
+    """The per-bucket work of :class:`~lightning_simigrad.measurement.rank_groups.RankGroupMeasurement`."""
 
     def __init__(self, layout: Layout, group: dist.ProcessGroup) -> None:
         self.layout = layout

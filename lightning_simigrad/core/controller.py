@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from lightning_simigrad.statistics import HalfStats, equilibrium_batch_size
+from lightning_simigrad.core.statistics import HalfStats, equilibrium_batch_size
 
 __all__ = ["BatchSizeController", "RULES"]
 

@@ -1,4 +1,4 @@
-r"""Lightning's step-based settings, served in samples (see :mod:`lightning_simigrad.sample_counts`).
+r"""Lightning's step-based settings, served in samples (see :mod:`lightning_simigrad.core.sample_counts`).
 
 :class:`SampleProgress` replaces three private methods on Lightning's loop *instances* for the length of
 a fit, and restores them after:
@@ -28,8 +28,8 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.trainer import call
 
-from lightning_simigrad.accumulation import require_lightning_internals
-from lightning_simigrad.sample_counts import FitLength
+from lightning_simigrad.core.sample_counts import FitLength
+from lightning_simigrad.integration.accumulation import require_lightning_internals
 
 __all__ = ["SampleProgress"]
 
