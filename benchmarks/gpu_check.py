@@ -35,8 +35,6 @@ import socket
 import statistics
 import sys
 import time
-import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,9 +47,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # ddp_overhead, beside this file
 from ddp_overhead import PaperPattern  # noqa: E402
 
-from lightning_simigrad.measurement import _ddp_hook  # noqa: E402
+from lightning_simigrad import Window  # noqa: E402
+from lightning_simigrad.measurement import (  # noqa: E402
+    WindowHalvesMeasurement,
+    _ddp_hook,  # noqa: E402
+    loss_scale_of,
+)
 from lightning_simigrad.measurement.rank_groups import RankGroupMeasurement  # noqa: E402
-from lightning_simigrad.measurement.window_halves import WindowHalvesMeasurement  # noqa: E402
+from lightning_simigrad.testing import HostSyncs, flat_grad, reference_halves, relative_error, run_window  # noqa: E402
 
 START_METHOD = "forkserver"  # CUDA needs a fresh process; the server imports torch once for all ranks
 # Relative error allowed against the float64 references: DDP's mean gradient is rounded to float32 and, on
@@ -67,77 +70,6 @@ class Row:
 
 
 # ----------------------------------------------------------------------------------- shared helpers
-
-
-class HostSyncs:
-    """Counts host synchronisations: CUDA's sync-debug warnings on a GPU, tensor reads to Python on CPU."""
-
-    NAMES = ("item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__")
-
-    def __init__(self, device: torch.device | str) -> None:
-        self.device = torch.device(device)
-        self.count = 0
-
-    def __enter__(self) -> HostSyncs:
-        if self.device.type == "cuda":
-            self._caught = warnings.catch_warnings(record=True)
-            self._records = self._caught.__enter__()
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-        else:
-            self._saved = {name: getattr(torch.Tensor, name) for name in self.NAMES}
-            for name, method in self._saved.items():
-                setattr(torch.Tensor, name, self._counting(method))
-        return self
-
-    def _counting(self, method: Callable[..., Any]) -> Callable[..., Any]:
-        def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            self.count += 1
-            return method(tensor, *args, **kwargs)
-
-        return counted
-
-    def __exit__(self, *exc: object) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.set_sync_debug_mode("default")
-            self.count = sum("synchroniz" in str(r.message) for r in self._records)
-            self._caught.__exit__(*exc)
-        else:
-            for name, method in self._saved.items():
-                setattr(torch.Tensor, name, method)
-
-
-def reference_stats(local_grad: torch.Tensor, counts: list[int], group: Any = None) -> tuple[float, float, float]:
-    """(g_A.g_B, |g_A|^2, |g_B|^2) from every rank's local weighted gradient, gathered and combined in float64."""
-    world = dist.get_world_size(group)
-    gathered = [torch.empty_like(local_grad, dtype=torch.float64) for _ in range(world)]
-    dist.all_gather(gathered, local_grad.to(torch.float64), group=group)
-    size_a, total = world // 2, sum(counts)
-    n_a, n_b = sum(counts[:size_a]), sum(counts[size_a:])
-    g_a = total / (world * n_a) * torch.stack(gathered[:size_a]).sum(0)
-    g_b = total / (world * n_b) * torch.stack(gathered[size_a:]).sum(0)
-    return float(g_a @ g_b), float(g_a @ g_a), float(g_b @ g_b)
-
-
-def run_window(model: nn.Module, micro: list[tuple[torch.Tensor, torch.Tensor]], counts: list[int], world: int) -> None:
-    """Accumulate one window, each loss weighted by W n_micro / N; under DDP ``no_sync`` but the last."""
-    total = sum(counts)
-    for i, (x, y) in enumerate(micro):
-        accumulate = isinstance(model, DDP) and i < len(micro) - 1
-        with model.no_sync() if accumulate else contextlib.nullcontext():  # type: ignore[operator]
-            loss = nn.functional.mse_loss(model(x), y) * (world * x.shape[0] / total)
-            loss.backward()
-
-
-def flat_grad(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
-
-
-def agrees(stats: Any, reference: tuple[float, float, float]) -> float:
-    """The largest relative error of ``stats`` against ``reference`` (the dot relative to |g_A| |g_B|)."""
-    dot, sq_a, sq_b = reference
-    scale = (sq_a * sq_b) ** 0.5
-    return max(abs(stats.dot - dot) / scale, abs(stats.sq_a - sq_a) / sq_a, abs(stats.sq_b - sq_b) / sq_b)
 
 
 # ----------------------------------------------------------------------------------- one process
@@ -163,12 +95,13 @@ def check_one_process(device: str) -> list[Row]:
                 copies.append([p.grad.detach().to(torch.float64).clone() for p in params])
             if j == 1:
                 halves.set_aside(params)
-        inv_scale = scaler._get_scale_async().reciprocal() if scaler is not None else 1.0  # a tensor: one read
-        stats = halves.combine(params, 32, 32, inv_scale=inv_scale)
+        window = Window(tuple((n,) for n in sizes))  # the halves: micro-batches 0-1 and 2-3, 32 samples each
+        halves.after_backward(window, len(sizes) - 1, (32, 32), params)
+        stats = halves.collect(loss_scale_of(scaler))  # the scale tensor is read with the products: one read
         s, r = (torch.cat([g.reshape(-1) for g in half]) for half in copies)
         f = 2.0 * (float(1.0 / scaler.get_scale()) if scaler is not None else 1.0)  # g_A = (N / n_A) s, unscaled
         reference = (float(s @ r) * f * f, float(s @ s) * f * f, float(r @ r) * f * f)
-        error = agrees(stats, reference)
+        error = relative_error(stats, reference)
         ok = error < TOLERANCE and stats.is_finite
         rows.append(
             Row(
@@ -384,9 +317,9 @@ def _exactness(
         mismatched += sum(not torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), hooked.parameters()))
         with HostSyncs(device) as collect_syncs:
             stats = measurement.collect()
-        reference = reference_stats(flat_grad(local), counts, group)
+        reference = reference_halves(flat_grad(local), counts, group)
         if armed:
-            worst = max(worst, agrees(stats, reference))
+            worst = max(worst, relative_error(stats, reference))
             syncs_collect = max(syncs_collect, collect_syncs.count)
             if window >= 2:  # after DDP's bucket rebuild
                 syncs_hook = max(syncs_hook, hook_syncs.count - plain_syncs.count)
@@ -423,7 +356,7 @@ def _soak(rank: int, world: int, device: torch.device, steps: int) -> dict[str, 
             local.load_state_dict({k.removeprefix("module."): v for k, v in model.state_dict().items()})
             local.zero_grad(set_to_none=True)
             run_window(local, micro, counts, world)
-            worst = max(worst, agrees(stats, reference_stats(flat_grad(local), counts)))
+            worst = max(worst, relative_error(stats, reference_halves(flat_grad(local), counts)))
         optimizer.step()
     measurement.close()
     return {"bad": bad, "error": worst, "seconds": time.perf_counter() - start, "steps": steps}

@@ -8,8 +8,8 @@ gradient, DDP's default 25 MB buckets): plain DDP, then DDP with `RankGroupMeasu
 window. Each rank reports its peak resident memory (`ru_maxrss`, which also sees short-lived buffers but
 scatters by some 30 MiB between processes) and the bytes malloc has handed out and not taken back after the
 last backward (`mallinfo2`, exact, but blind to what was freed before); the differences are what the
-measurement costs there. The bound (see `lightning_simigrad/ddp_measurement.py`, "Memory"): nothing at W = 2 and on
-group B's ranks; at W = 3 one gradient on rank 0; at W >= 4 on group A's ranks one gradient for the
+measurement costs there. The bound (see `lightning_simigrad/measurement/rank_groups.py`, "Memory"): nothing at
+W = 2 and on group B's ranks; at W = 3 one gradient on rank 0; at W >= 4 on group A's ranks one gradient for the
 receive buffers plus, under gloo, one for the copies sent -- on CPU all kept between windows, so the
 bound is reached -- plus the dot products' chunk scratch (2 MiB per thread).
 """

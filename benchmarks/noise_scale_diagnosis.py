@@ -39,36 +39,37 @@ from lightning_simigrad import HalfStats
 # the recipes are imported in main() only: the one place this script depends on them
 
 
-def record_raw_stats(callback: Any) -> list[dict[str, float]]:
-    """Wrap ``callback.controller.update`` once it exists so every step's raw statistics are kept."""
+def record_raw_stats(trainer: Any, callback: Any) -> list[dict[str, float]]:
+    """Wrap the run's ``controller.update`` when training starts so every step's raw statistics are kept."""
+    import lightning.pytorch as pl
+
     rows: list[dict[str, float]] = []
-    original = callback._create_schedule
 
-    def create_schedule(*args: Any, **kwargs: Any) -> None:
-        original(*args, **kwargs)
-        controller = callback.controller
-        update = controller.update
+    class RawStats(pl.Callback):
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            controller = callback.run.controller
+            update = controller.update
 
-        def recording_update(stats: HalfStats, adjust: bool = True) -> int:
-            out = update(stats, adjust)
-            rows.append(
-                dict(
-                    batch=stats.batch_size,
-                    dot=stats.dot,
-                    sq_a=stats.sq_a,
-                    sq_b=stats.sq_b,
-                    n_a=stats.n_a,
-                    n_b=stats.n_b,
-                    trace=stats.trace_sigma,
-                    similarity=stats.similarity,
-                    logged_noise_scale=controller.noise_scale,
+            def recording_update(stats: HalfStats, adjust: bool = True) -> int:
+                out = update(stats, adjust)
+                rows.append(
+                    dict(
+                        batch=stats.batch_size,
+                        dot=stats.dot,
+                        sq_a=stats.sq_a,
+                        sq_b=stats.sq_b,
+                        n_a=stats.n_a,
+                        n_b=stats.n_b,
+                        trace=stats.trace_sigma,
+                        similarity=stats.similarity,
+                        logged_noise_scale=controller.noise_scale,
+                    )
                 )
-            )
-            return out
+                return out
 
-        controller.update = recording_update
+            controller.update = recording_update
 
-    callback._create_schedule = create_schedule
+    trainer.callbacks.append(RawStats())
     return rows
 
 
@@ -180,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     def fit(self: pl.Trainer, model: pl.LightningModule, *a: Any, **k: Any) -> Any:
         captured["module"], captured["datamodule"] = model, k.get("datamodule")
         callback = next(cb for cb in self.callbacks if isinstance(cb, SimiGrad))
-        captured["rows"] = record_raw_stats(callback)
+        captured["rows"] = record_raw_stats(self, callback)
         return original_fit(self, model, *a, **k)
 
     pl.Trainer.fit = fit  # type: ignore[method-assign]

@@ -1,4 +1,10 @@
-"""Adaptive batch size training for PyTorch Lightning, after SimiGrad (Qin et al., NeurIPS 2021)."""
+"""Adaptive batch size training for PyTorch Lightning, after SimiGrad (Qin et al., NeurIPS 2021).
+
+The layers, from the inside out (``docs/architecture.md``): :mod:`~lightning_simigrad.core` (pure arithmetic),
+:mod:`~lightning_simigrad.measurement`, :mod:`~lightning_simigrad.data`, :mod:`~lightning_simigrad.state`,
+:mod:`~lightning_simigrad.run` (one fit, without Lightning) and :mod:`~lightning_simigrad.integration` with the
+:class:`SimiGrad` callback (Lightning). Importing the package changes nothing in Lightning or torch.
+"""
 
 import importlib.metadata
 
@@ -7,8 +13,9 @@ from lightning_simigrad.core.controller import BatchSizeController
 from lightning_simigrad.core.lr_scaling import lr_factor
 from lightning_simigrad.core.plan import Window, plan_window
 from lightning_simigrad.core.statistics import HalfStats, equilibrium_batch_size, expected_similarity
-from lightning_simigrad.data.sampler import AdaptiveBatchSampler, WindowSchedule
-from lightning_simigrad.measurement.rank_groups import RankGroupMeasurement
+from lightning_simigrad.data.sampler import AdaptiveBatchSampler
+from lightning_simigrad.data.schedule import WindowSchedule
+from lightning_simigrad.measurement import Measurement, MeasurementError, RankGroupMeasurement
 
 try:
     __version__ = importlib.metadata.version("lightning-simigrad")
@@ -20,6 +27,8 @@ __all__ = [
     "AdaptiveBatchSampler",
     "BatchSizeController",
     "HalfStats",
+    "Measurement",
+    "MeasurementError",
     "RankGroupMeasurement",
     "SimiGrad",
     "Window",

@@ -6,7 +6,7 @@ of all ranks, and writes what it saw to a JSON file that the test reads back.
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import json
 import math
 import statistics
@@ -15,65 +15,40 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.distributed as dist
 from helpers import IndexedRegression, Regressor, trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from test_equilibrium import NOISE_SCALE, LinearLoss, known_noise_dataset
 from torch.utils.data import DataLoader
 
 from lightning_simigrad import SimiGrad, equilibrium_batch_size
+from lightning_simigrad.testing import StepAudit
 
 
-def flat(tensors) -> torch.Tensor:
-    return torch.cat([t.reshape(-1) for t in tensors])
+def batch_indices(batch) -> list[int]:
+    return batch[0].tolist()
 
 
-class DistributedStepChecker(pl.Callback):
-    """After SimiGrad: per step, the gradient and similarity against references from gathered samples."""
+class RegressionLoss:
+    """The mean loss of a Regressor over given samples of a dataset (picklable, for ddp_spawn's children)."""
+
+    def __init__(self, dataset: IndexedRegression) -> None:
+        self.dataset = dataset
+
+    def __call__(self, model, indices) -> torch.Tensor:
+        return model.loss(self.dataset.x[indices], self.dataset.y[indices])
+
+
+class DistributedStepChecker(StepAudit):
+    """The reference harness on every rank; each rank's audit and SimiGrad's history are written out at the end."""
 
     def __init__(self, out: Path, dataset: IndexedRegression) -> None:
-        self.out, self.dataset = out, dataset
-
-    def on_fit_start(self, trainer, pl_module):
-        self.simigrad = next(c for c in trainer.callbacks if isinstance(c, SimiGrad))
-        self.pending: list[int] = []
-        self.steps: list[dict] = []
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if self.simigrad.local_samples:  # a zero-weight padding sample is no sample of the step
-            self.pending.extend(batch[0].tolist())
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        world = trainer.world_size
-        per_rank: list[list[int]] = [None] * world  # type: ignore[list-item]
-        dist.all_gather_object(per_rank, self.pending)
-        self.pending = []
-        grads = flat([p.grad for p in pl_module.parameters()])
-        gathered = [torch.empty_like(grads) for _ in range(world)]
-        dist.all_gather(gathered, grads)
-        half = world // 2  # group A: the first floor(W / 2) ranks
-        every = [i for r in per_rank for i in r]
-        group_a = [i for r in per_rank[:half] for i in r]
-        group_b = [i for r in per_rank[half:] for i in r]
-        reference = self._gradient(pl_module, every)
-        g_a, g_b = self._gradient(pl_module, group_a), self._gradient(pl_module, group_b)
-        self.steps.append(
-            dict(
-                per_rank=per_rank,
-                grad_rel_error=float((grads - reference).norm() / reference.norm()),
-                ranks_identical=all(torch.equal(g, gathered[0]) for g in gathered),
-                similarity=float(g_a @ g_b / (g_a.norm() * g_b.norm())),
-            )
-        )
-
-    def _gradient(self, pl_module, indices) -> torch.Tensor:
-        model = copy.deepcopy(pl_module.net)
-        loss = torch.nn.functional.mse_loss(model(self.dataset.x[indices]), self.dataset.y[indices])
-        loss.backward()
-        return flat([p.grad for p in model.parameters()])
+        super().__init__(indices=batch_indices, mean_loss=RegressionLoss(dataset))
+        self.out = out
 
     def on_train_end(self, trainer, pl_module):
-        payload = dict(steps=self.steps, history=self.simigrad.history, batch_size=self.simigrad.batch_size)
+        simigrad = next(c for c in trainer.callbacks if isinstance(c, SimiGrad))
+        steps = [dataclasses.asdict(step) for step in self.steps]
+        payload = dict(steps=steps, history=simigrad.history, batch_size=simigrad.batch_size)
         (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(payload))
 
 

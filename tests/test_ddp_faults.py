@@ -17,8 +17,7 @@ import torch
 from distributed import run_group, run_ok
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from lightning_simigrad.measurement import _ddp_hook, _ddp_scalars
-from lightning_simigrad.measurement.rank_groups import MeasurementError, RankGroupMeasurement
+from lightning_simigrad.measurement import MeasurementError, RankGroupMeasurement, _ddp_hook, _ddp_scalars
 
 STAGES = ("before the first collective", "between collectives", "in a bucket callback", "in collect()")
 SHORT_TIMEOUT_S = 10.0  # a rank that skipped a collective would leave the others failing after this

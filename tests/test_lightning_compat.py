@@ -33,32 +33,26 @@ from user_modules import (
 )
 
 from lightning_simigrad import SimiGrad
+from lightning_simigrad.testing import StepAudit
 
 
 def flat(tensors) -> torch.Tensor:
     return torch.cat([t.reshape(-1) for t in tensors])
 
 
-class GradientAudit(pl.Callback):
-    """After SimiGrad: the samples each step averaged, and its gradient against the mean loss over them."""
+class GradientAudit(StepAudit):
+    """The reference harness, read as these tests read it: each step's samples, and its gradient's error."""
 
     def __init__(self, mean_loss) -> None:
-        self.mean_loss = mean_loss
-        self.steps: list[list[int]] = []
-        self.errors: list[float] = []
-        self._consumed = 0
+        super().__init__(indices=lambda batch: batch[0].tolist(), mean_loss=mean_loss)
 
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        micro = pl_module.micro_batches[self._consumed :]
-        self._consumed = len(pl_module.micro_batches)
-        fed = [i for m in micro for i in m]
-        model = copy.deepcopy(pl_module)
-        model.zero_grad()
-        self.mean_loss(model, fed).backward()
-        reference = flat([p.grad for p in model.parameters()])
-        grads = flat([p.grad for p in pl_module.parameters()])
-        self.steps.append(fed)
-        self.errors.append(float((grads - reference).norm() / reference.norm()))
+    @property
+    def samples(self) -> list[list[int]]:
+        return [step.samples for step in self.steps]
+
+    @property
+    def errors(self) -> list[float]:
+        return [step.grad_rel_error for step in self.steps]
 
 
 def boring_loss(dataset: RandomDataset):
@@ -114,7 +108,7 @@ def test_limit_train_batches_feeds_the_samples_of_its_batches_for_every_residue(
     cb = SimiGrad(target_similarity=0.5, initial_batch_size=32, adjust=False)
     t, model, audit = fit_boring(cb, max_epochs=2, limit_train_batches=limit)
     per_epoch = 8 * limit
-    seen = [i for s in audit.steps for i in s]
+    seen = [i for s in audit.samples for i in s]
     assert len(seen) == 2 * per_epoch == cb.samples_seen
     assert len(set(seen[:per_epoch])) == per_epoch and len(set(seen[per_epoch:])) == per_epoch
     assert max(audit.errors) < 1e-5  # every step's gradient is the mean over exactly its samples
@@ -133,7 +127,7 @@ def test_fast_dev_run_trains_its_batches_exactly(fast_dev_run):
     cb = SimiGrad(target_similarity=0.9)
     t, model, audit = fit_boring(cb, fast_dev_run=fast_dev_run)
     batches = 1 if fast_dev_run is True else fast_dev_run
-    assert cb.samples_seen == 8 * batches == len({i for s in audit.steps for i in s})
+    assert cb.samples_seen == 8 * batches == len({i for s in audit.samples for i in s})
     assert max(audit.errors) < 1e-5
     assert all(p.grad is not None for p in model.parameters())  # no half of a window left aside
 
@@ -295,7 +289,7 @@ def test_early_stopping_stops_on_a_whole_window():
     t.fit(model, datamodule=datamodule)
     assert t.should_stop
     # stopped within the first epoch at the second validation: after the step that crossed 2 x 5 batches of 16
-    assert sum(map(len, audit.steps)) == cb.samples_seen
+    assert sum(map(len, audit.samples)) == cb.samples_seen
     assert 160 <= cb.samples_seen < 160 + cb.history[-1]["batch_size"] < len(datamodule.train_set)
     assert len(model.validated) == 2 * len(datamodule.val_set)
     assert max(audit.errors) < 1e-5
@@ -361,7 +355,7 @@ def test_skipped_micro_batches_leave_every_step_a_mean_over_what_it_fed():
     model = SkippingBoring(skip={1, 5, 11, 12, 13})
     cb = SimiGrad(target_similarity=0.95, initial_batch_size=32, adjust=False)
     t, model, audit = fit_boring(cb, model=model, max_epochs=1)
-    fed = [len(s) for s in audit.steps]
+    fed = [len(s) for s in audit.samples]
     assert [int(h["batch_size"]) for h in cb.history] == fed == [24, 24, 24, 16]
     assert max(audit.errors) < 1e-5  # nothing of a skipped window leaks into the next
     assert cb.samples_seen == 128 - 5 * 8
@@ -580,7 +574,7 @@ def test_lightning_cli_configures_simigrad_from_yaml_and_the_command_line(tmp_pa
 def test_everyday_trainer_flags_keep_every_step_exact(flags, per_epoch, first_step):
     cb = SimiGrad(target_similarity=0.95)
     t, model, audit = fit_boring(cb, max_epochs=3, **flags)
-    seen = [i for s in audit.steps for i in s]
+    seen = [i for s in audit.samples for i in s]
     assert cb.samples_seen == len(seen) == 3 * per_epoch
     for epoch in range(3):
         assert len(set(seen[epoch * per_epoch : (epoch + 1) * per_epoch])) == per_epoch

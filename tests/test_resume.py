@@ -214,7 +214,7 @@ def test_a_checkpoint_written_after_a_resume_before_the_first_batch_keeps_the_ge
     assert model.micro_batches == []
     again = torch.load(tmp_path / "again.ckpt", weights_only=False)["callbacks"]["SimiGrad"]
     assert again["rng"] == source["rng"]  # restored at the first batch, which this fit never reached
-    assert cb._rng is None  # and forgotten when the fit ended
+    assert cb.run.resumption.states is None  # and forgotten when the fit ended
 
 
 @pytest.mark.timeout(300)

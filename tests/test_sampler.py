@@ -6,7 +6,7 @@ import pytest
 from torch.utils.data import RandomSampler, SequentialSampler, WeightedRandomSampler
 
 from lightning_simigrad import AdaptiveBatchSampler, WindowSchedule
-from lightning_simigrad.data.sampler import ResumePoint
+from lightning_simigrad.data.schedule import ResumePoint
 
 DATA = list(range(103))
 

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import os
-import tempfile
 
 import pytest
 from helpers import IndexedRegression, Regressor, trainer
-from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from torch.utils.data import DataLoader
 
-from lightning_simigrad import SimiGrad, spawn_results
+from lightning_simigrad import SimiGrad
+from lightning_simigrad.integration.spawn_results import Origin
 
 PIPE_BUFFER = 64 * 1024  # Linux's default: what a child may put in the launcher's result queue before it blocks
 
@@ -33,13 +32,14 @@ def test_a_history_larger_than_a_pipe_reaches_the_launching_process():
     t.fit(Regressor(), DataLoader(IndexedRegression(64), batch_size=8, shuffle=True))
     assert len(cb.history) > 20_000 and len(repr(cb.history)) > 10 * PIPE_BUFFER
     assert cb.batch_size is not None and cb.samples_seen == 64
+    assert not os.path.exists(cb._origin.path)  # read once, then removed
 
 
-def test_the_states_folder_is_removed_when_lightnings_own_reading_fails():
-    folder = tempfile.mkdtemp()
-    path = os.path.join(folder, "spawn_states.pkl")
-    open(path, "wb").close()
-    launcher = object.__new__(_MultiProcessingLauncher)
-    with pytest.raises(KeyError, match="callback_metrics_bytes"):  # Lightning's part of the results is missing
-        _MultiProcessingLauncher.update_main_process_results(launcher, None, {spawn_results._KEY: path})
-    assert not os.path.exists(folder)
+def test_a_copy_sends_and_only_the_process_that_made_the_callback_receives(tmp_path):
+    here = Origin.of(object())
+    elsewhere = Origin(pid=here.pid + 1, key=here.key)  # as a spawned child sees the callback it copied
+    assert not here.in_copy and elsewhere.in_copy
+    here.send({"state": {"steps": 3}})
+    assert elsewhere.receive() is None  # a child never reads what it sent
+    assert here.receive() == {"state": {"steps": 3}} and here.receive() is None  # once
+    assert not os.path.exists(here.path)

@@ -16,8 +16,8 @@ That divisor is applied where Lightning builds the closure's result (its ``outpu
 ``trainer.accumulate_grad_batches`` reads what users expect of it: the current window's number of
 micro-batches, an int.
 
-The replaced methods are private; ``attach`` checks that they exist and the package pins Lightning's
-minor version.
+The replaced methods are private: :mod:`lightning_simigrad._compat` lists them and checks that they exist
+when a fit starts, and the package pins Lightning's minor version.
 """
 
 from __future__ import annotations
@@ -29,17 +29,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.loops.optimization.automatic import ClosureResult
 from torch.optim import Optimizer
 
-__all__ = ["VariableAccumulation", "require_lightning_internals"]
-
-
-def require_lightning_internals(*members: tuple[object, str]) -> None:
-    """Raise a clear error if this Lightning lacks a private member (``(owner, name)``) SimiGrad replaces."""
-    for owner, name in members:
-        if not callable(getattr(owner, name, None)):
-            raise RuntimeError(
-                f"SimiGrad needs `{type(owner).__name__}.{name}` of Lightning 2.6, which this Lightning"
-                f" ({pl.__version__}) lacks. Install `lightning>=2.6,<2.7`."
-            )
+__all__ = ["VariableAccumulation"]
 
 
 class VariableAccumulation:
@@ -55,13 +45,6 @@ class VariableAccumulation:
     def attach(self, trainer: pl.Trainer) -> None:
         epoch_loop = trainer.fit_loop.epoch_loop
         automatic = epoch_loop.automatic_optimization
-        require_lightning_internals(
-            (epoch_loop, "_accumulated_batches_reached"),
-            (automatic, "_make_zero_grad_fn"),
-            (automatic, "_on_before_zero_grad"),
-            (automatic, "_optimizer_zero_grad"),
-            (automatic, "output_result_cls"),
-        )
         self._trainer = trainer
         self._user_accumulate_grad_batches = trainer.accumulate_grad_batches
         epoch_loop._accumulated_batches_reached = lambda: self.window_end  # type: ignore[method-assign]

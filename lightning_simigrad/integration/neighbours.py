@@ -36,6 +36,7 @@ __all__ = [
     "AppliedLRMonitor",
     "batch_size_before_tuning",
     "check_dataloader",
+    "refuse_several_optimizers",
     "refuse_unsupported",
     "run_before_other_callbacks",
     "tuners",
@@ -72,6 +73,14 @@ def refuse_unsupported(trainer: pl.Trainer, pl_module: pl.LightningModule, max_m
                 f" `max_micro_batch_size`; this SimiGrad fixes `max_micro_batch_size={max_micro_batch_size}`."
                 " Remove one of the two."
             )
+
+
+def refuse_several_optimizers(trainer: pl.Trainer) -> None:
+    if len(trainer.optimizers) != 1:
+        raise RuntimeError(
+            f"SimiGrad scales one optimizer's learning rate; `configure_optimizers` returned"
+            f" {len(trainer.optimizers)}. Return a single optimizer."
+        )
 
 
 def check_dataloader(loader: Any) -> None:

@@ -16,54 +16,42 @@ a fit, and restores them after:
   next epoch. Lightning recognises that case by counting the epoch's batches, which a loader without a
   length does not have: it would find the restored ``is_last_batch`` and skip the whole next epoch.
 
-Once per process it also makes ``Trainer.estimated_stepping_batches`` ask a fit's :class:`SampleProgress`
-where one is attached; every other Trainer gets Lightning's value, computed by Lightning's own code.
+For the length of a fit it also makes that Trainer's ``estimated_stepping_batches`` the fit's length in
+B0-steps: the Trainer object is given a subclass of its own class, made once per class, whose property asks
+the attached :class:`SampleProgress`; its class is given back after the fit. Lightning's classes and every
+other Trainer are left as they are.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.trainer import call
 
-from lightning_simigrad.core.sample_counts import FitLength
-from lightning_simigrad.integration.accumulation import require_lightning_internals
+from lightning_simigrad.run import Run
 
 __all__ = ["SampleProgress"]
-
-_PROVIDER = "_lightning_simigrad_stepping_batches"  # the Trainer instance attribute the property reads
 
 
 class SampleProgress:
     """Makes Lightning's scheduler stepping, validation cadence and step estimate follow samples.
 
+    Until :attr:`run` is set (the training data has arrived, and no tuner is running its trials) Lightning's
+    own behaviour is kept.
+
     Args:
-        length: returns the fit's :class:`FitLength` (None until the training data is known).
-        counters: returns ``(epoch, epoch_samples_done, samples_seen)`` after the last optimizer step.
-        validation_interval: returns the validation interval in samples and whether it counts within
-            the epoch (True) or over the whole fit; None to validate at each epoch's end.
         schedule_by_samples: step-interval schedulers and ``estimated_stepping_batches`` in B0-steps
             (False: Lightning's own, per optimizer step).
     """
 
-    def __init__(
-        self,
-        length: Callable[[], FitLength | None],
-        counters: Callable[[], tuple[int, int, int]],
-        validation_interval: Callable[[], tuple[int, bool] | None],
-        schedule_by_samples: bool = True,
-    ) -> None:
-        self._length = length
-        self._counters = counters
-        self._validation_interval = validation_interval
+    def __init__(self, schedule_by_samples: bool = True) -> None:
         self.schedule_by_samples = schedule_by_samples
-        self.active = True  # False: Lightning's own behaviour (a tuner's trials run plain batches)
+        self.run: Run | None = None  # the fit's run: its lengths, counters and validation interval
+        self.active = True  # False while a tuner runs its trials: Lightning loads the data as it would
         # scheduler steps taken per step-interval scheduler config (by its index): checkpointed
         self.scheduler_steps: list[int] = []
         self._continue_restored = False  # align the counts to the first progress, stepping nothing
-        self.before_next_epoch: Callable[[], None] | None = None  # called before a resumed fit's new epoch begins
         self._last_step_span: tuple[int, int, int, int] | None = None  # (epoch done before/after, total before/after)
         self._trainer: pl.Trainer | None = None
         self._originals: dict[str, Any] = {}
@@ -73,14 +61,6 @@ class SampleProgress:
     def attach(self, trainer: pl.Trainer) -> None:
         fit_loop = trainer.fit_loop
         epoch_loop = fit_loop.epoch_loop
-        require_lightning_internals(
-            (epoch_loop, "_update_learning_rates"),
-            (epoch_loop, "_should_check_val_fx"),
-            (epoch_loop, "_should_check_val_epoch"),
-            (epoch_loop, "reset"),
-            (epoch_loop, "reset_restart_stage"),
-            (fit_loop, "setup_data"),
-        )
         self._trainer = trainer
         self._originals = {
             "_update_learning_rates": epoch_loop._update_learning_rates,
@@ -93,8 +73,8 @@ class SampleProgress:
         epoch_loop._should_check_val_fx = self._should_check_val_fx  # type: ignore[method-assign]
         fit_loop.setup_data = self._setup_data  # type: ignore[method-assign]
         if self.schedule_by_samples:
-            _install_stepping_batches_property()
-            setattr(trainer, _PROVIDER, self.stepping_batches)
+            trainer.__class__ = _counting_in_samples(type(trainer))
+            trainer.__dict__[_PROVIDER] = self.stepping_batches
 
     def detach(self) -> None:
         trainer = self._trainer
@@ -104,7 +84,8 @@ class SampleProgress:
         trainer.fit_loop.epoch_loop.__dict__.pop("_should_check_val_fx", None)
         trainer.fit_loop.epoch_loop.__dict__.pop("reset", None)
         trainer.fit_loop.__dict__.pop("setup_data", None)
-        trainer.__dict__.pop(_PROVIDER, None)
+        if trainer.__dict__.pop(_PROVIDER, None) is not None:
+            trainer.__class__ = type(trainer).__bases__[0]
         self._trainer = None
 
     # ------------------------------------------------------------------------------ readings
@@ -112,29 +93,32 @@ class SampleProgress:
         """The user's ``trainer.<name>``, also while Lightning loads the training data without it."""
         return self._hidden[name] if name in self._hidden else getattr(self._trainer, name)
 
-    def stepping_batches(self) -> float:
-        """``trainer.estimated_stepping_batches``: the fit's length in B0-steps."""
+    def stepping_batches(self) -> float | None:
+        """``trainer.estimated_stepping_batches``: the fit's length in B0-steps (None: Lightning's own count)."""
         trainer = self._trainer
         assert trainer is not None
         if trainer.train_dataloader is None:
             trainer.fit_loop.setup_data()  # as Lightning's own property does
-        length = self._length()
-        if length is None:  # no training data (e.g. limit_train_batches=0)
-            return 0
-        return length.stepping_batches
+        return self.run.fit_length().stepping_batches if self.run is not None else None
 
     def steps_done(self) -> int:
         """B0-steps of progress after the last optimizer step."""
-        trainer = self._trainer
-        length = self._length()
-        assert trainer is not None and length is not None
-        epoch, epoch_done, seen = self._counters()
+        trainer, run = self._trainer, self.run
+        assert trainer is not None and run is not None
         at_end = bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
-        return length.steps_done(epoch, epoch_done, seen, at_epoch_end=at_end)
+        return run.fit_length().steps_done(*run.counters(), at_epoch_end=at_end)
 
     def record_step(self, epoch_done_before: int, epoch_done_after: int, total_before: int, total_after: int) -> None:
         """The samples an optimizer step just added (read by the validation cadence)."""
         self._last_step_span = (epoch_done_before, epoch_done_after, total_before, total_after)
+
+    def start(self, run: Run, state: dict[str, Any]) -> None:
+        """Count in samples from here, for ``run``, the step schedules as ``state`` (the checkpoint's) left them."""
+        self.load_state_dict(state)
+        self.run = run
+        if run.without_state:
+            # the checkpoint counted no B0-steps for its schedules: they continue from the state they were restored in
+            self.continue_restored_schedules()
 
     def state_dict(self) -> dict[str, Any]:
         return {"scheduler_steps": list(self.scheduler_steps)}
@@ -186,20 +170,19 @@ class SampleProgress:
             epoch_loop.val_loop.batch_progress.total.reset()
             epoch_loop.reset_restart_stage()
             if trainer.fit_loop._data_fetcher is not None:
-                if self.before_next_epoch is not None:
-                    self.before_next_epoch()
+                if self.run is not None:
+                    self.run.resumption.before_epoch()
                 iter(trainer.fit_loop._data_fetcher)
         self._originals["reset"]()
 
     def start_window(self, samples: int) -> None:
         """Before a window of ``samples`` trains: schedules to the B0-step in its middle (see ``step_in_window``)."""
-        length = self._length()
-        if self.schedule_by_samples and self.active and length is not None:
-            epoch, epoch_done, seen = self._counters()
-            self._advance_schedulers(length.step_in_window(epoch, epoch_done, seen, samples))
+        run = self.run
+        if self.schedule_by_samples and run is not None:
+            self._advance_schedulers(run.fit_length().step_in_window(*run.counters(), samples))
 
     def _update_learning_rates(self, interval: str, update_plateau_schedulers: bool) -> None:
-        if interval != "step" or update_plateau_schedulers or not self.schedule_by_samples or not self.active:
+        if interval != "step" or update_plateau_schedulers or not self.schedule_by_samples or self.run is None:
             return self._originals["_update_learning_rates"](interval, update_plateau_schedulers)
         self._advance_schedulers(self.steps_done())
         return None
@@ -234,7 +217,7 @@ class SampleProgress:
         assert trainer is not None
         epoch_loop = trainer.fit_loop.epoch_loop
         if (
-            not self.active
+            self.run is None
             or epoch_loop.restarting
             or trainer.should_stop
             or getattr(trainer, "_val_check_time_interval", None) is not None
@@ -244,7 +227,7 @@ class SampleProgress:
         span, self._last_step_span = self._last_step_span, None
         if span is None:
             return False  # validation only ever follows an optimizer step, never splits a window
-        interval = self._validation_interval()
+        interval = self.run.validation_interval()
         if interval is None:
             return bool(epoch_loop.batch_progress.is_last_batch)
         samples, within_epoch = interval
@@ -252,17 +235,27 @@ class SampleProgress:
         return after // samples > before // samples
 
 
-def _install_stepping_batches_property() -> None:
-    """Once per process: ``Trainer.estimated_stepping_batches`` asks an attached :class:`SampleProgress`."""
-    trainer_class = pl.Trainer
-    lightnings = trainer_class.__dict__["estimated_stepping_batches"]
-    if getattr(lightnings.fget, "_lightning_simigrad", False):
-        return
+_PROVIDER = "_lightning_simigrad_stepping_batches"  # the Trainer instance attribute the property reads
+
+
+def _counting_in_samples(trainer_class: type[pl.Trainer]) -> type[pl.Trainer]:
+    """A subclass of ``trainer_class`` whose ``estimated_stepping_batches`` asks the attached SampleProgress
+    (one per class, so that Trainers of a class share it)."""
+    if trainer_class in _SUBCLASSES:
+        return _SUBCLASSES[trainer_class]
+    lightnings = trainer_class.estimated_stepping_batches
 
     def estimated_stepping_batches(self: pl.Trainer) -> int | float:
         provider = self.__dict__.get(_PROVIDER)
-        return provider() if provider is not None else lightnings.fget(self)
+        value = provider() if provider is not None else None
+        return value if value is not None else lightnings.fget(self)  # type: ignore[attr-defined]
 
-    estimated_stepping_batches._lightning_simigrad = True  # type: ignore[attr-defined]
     estimated_stepping_batches.__doc__ = lightnings.__doc__
-    trainer_class.estimated_stepping_batches = property(estimated_stepping_batches)  # type: ignore[method-assign,assignment]
+    subclass = type(
+        trainer_class.__name__, (trainer_class,), {"estimated_stepping_batches": property(estimated_stepping_batches)}
+    )
+    _SUBCLASSES[trainer_class] = subclass
+    return subclass
+
+
+_SUBCLASSES: dict[type, type] = {}

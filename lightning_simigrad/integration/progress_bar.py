@@ -25,6 +25,8 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 
+from lightning_simigrad.data.schedule import EpochPlan
+
 __all__ = ["EpochProgress", "postfix_fields"]
 
 
@@ -91,13 +93,12 @@ class EpochProgress:
         done = epoch_loop.batch_progress.current.completed if epoch_loop.restarting else 0
         trainer.fit_loop.max_batches = done + max(1, micro_batches)
 
-    def update(self, trainer: pl.Trainer, micro_batches_left: int, epoch_ends_here: bool) -> None:
-        """After the sampler has placed the micro-batch being started: the epoch's total, for all to read.
-
-        Args:
-            micro_batches_left: the epoch's micro-batches after this one (estimated where not yet planned).
-            epoch_ends_here: this is the epoch's last micro-batch (the data's end, not a stop).
-        """
+    def update(self, trainer: pl.Trainer, plan: EpochPlan) -> None:
+        """After the sampler has placed the micro-batch being started in ``plan``: the epoch's total, for all."""
+        # the epoch's micro-batches after this one (estimated where not yet planned), and whether this is the
+        # epoch's last micro-batch (the data's end, not a stop)
+        micro_batches_left, exact = plan.micro_batches_left()
+        epoch_ends_here = exact and micro_batches_left == 0 and plan.ends_epoch
         ready = trainer.fit_loop.epoch_loop.batch_progress.current.ready  # this micro-batch included
         total = ready + micro_batches_left
         # above what was fetched until the real end: Lightning ends an epoch when the two are equal

@@ -1,82 +1,69 @@
-"""A ``ddp_spawn`` fit's SimiGrad state, carried back to the process that called ``fit``.
+"""A ``ddp_spawn`` (or ``ddp_fork``) fit's SimiGrad state, carried back to the process that called ``fit``.
 
-With ``strategy="ddp_spawn"`` the fit runs in child processes, on copies of the callbacks. Lightning
-sends rank 0's weights and ``callback_metrics`` back through its launcher's ``get_extra_results`` (in
-the child) and ``update_main_process_results`` (in the launching process). :func:`install` adds the
-state of every callback that implements the small protocol below to that same channel, so the
-``SimiGrad`` object the user holds reads the fit's history, batch size and controller afterwards, as it
-does after any other fit.
+With ``strategy="ddp_spawn"`` the fit runs in child processes, on copies of the callbacks, and Lightning sends
+back only rank 0's weights and ``callback_metrics``. So a callback remembers where it was made
+(:class:`Origin`: the process and the object); its copy in a child, whose process differs, writes its state
+on rank 0 at the end of the fit (:func:`send`) to a file named after that origin, and the callback in the
+launching process reads it the first time one of its readings is asked for afterwards (:func:`receive`).
+Nothing of Lightning is patched.
 
-The launcher's two methods are wrapped once per process, at import (the children import this module
-when they unpickle the callbacks), and delegate to Lightning's own: other fields pass untouched.
-
-The states travel through a temporary file, as Lightning's weights do, and only its path through the
-launcher's result queue: the launching process reads that queue only after the children have exited, so a
-child putting more than the pipe's buffer (64 KiB on Linux; a ``history`` of some 600 steps) would block
-forever.
+The state goes through a file, not through the launcher's result queue: the launching process reads that
+queue only after the children have exited, so a child putting more than the pipe's buffer (64 KiB on Linux; a
+``history`` of some 600 steps) would block forever.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
-import shutil
 import tempfile
-from typing import Any, Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import Any
 
-import lightning.pytorch as pl
-from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
-
-__all__ = ["SpawnState", "install"]
-
-_KEY = "lightning_simigrad"
+__all__ = ["Origin"]
 
 
-@runtime_checkable
-class SpawnState(Protocol):
-    """A callback whose state should reach the launching process after a spawned fit."""
+@dataclass(frozen=True)
+class Origin:
+    """The process and the object a callback was made as; copies in spawned or forked children keep it."""
 
-    def spawn_state(self) -> dict[str, Any]: ...
+    pid: int
+    key: int
 
-    def load_spawn_state(self, state: dict[str, Any]) -> None: ...
+    @classmethod
+    def of(cls, owner: object) -> Origin:
+        return cls(os.getpid(), id(owner))
 
+    @property
+    def path(self) -> str:
+        return os.path.join(tempfile.gettempdir(), f"lightning_simigrad-spawn-{self.pid}-{self.key}.pkl")
 
-def _carriers(trainer: pl.Trainer) -> list[SpawnState]:
-    return [c for c in trainer.callbacks if isinstance(c, SpawnState)]  # type: ignore[attr-defined]
+    @property
+    def in_copy(self) -> bool:
+        """This is a spawned or forked child's copy of the callback (not one made in this process)."""
+        return os.getpid() != self.pid
 
+    def send(self, state: dict[str, Any]) -> None:
+        """From a child: the fit's state, for the launching process (written whole, then renamed into place)."""
+        partial = f"{self.path}.{os.getpid()}"
+        with open(partial, "wb") as file:
+            pickle.dump(state, file)
+        os.replace(partial, self.path)
 
-def install() -> None:
-    """Wrap the launcher's result methods (idempotent)."""
-    launcher = _MultiProcessingLauncher
-    if getattr(launcher.get_extra_results, "_lightning_simigrad", False):
-        return
-    get_extra_results, update_main_process_results = launcher.get_extra_results, launcher.update_main_process_results
-
-    def get_extra_results_with_states(self: Any, trainer: pl.Trainer) -> dict[str, Any]:
-        extra = get_extra_results(self, trainer)
-        states = [c.spawn_state() for c in _carriers(trainer)]
-        if states:
-            path = os.path.join(tempfile.mkdtemp(), "spawn_states.pkl")  # a folder of its own, as for the weights
-            with open(path, "wb") as file:
-                pickle.dump(states, file)
-            extra[_KEY] = path
-        return extra
-
-    def update_main_process_results_with_states(self: Any, trainer: pl.Trainer, extra: dict[str, Any]) -> None:
-        path = extra.pop(_KEY, None)
+    def receive(self) -> dict[str, Any] | None:
+        """In the launching process: the state a child sent since the last call, or None."""
+        if self.in_copy:
+            return None
         try:
-            update_main_process_results(self, trainer, extra)
-            if path is None:
-                return
-            with open(path, "rb") as file:
-                states = pickle.load(file)  # written just now by this fit's rank 0, from the same callbacks
+            with open(self.path, "rb") as file:
+                return pickle.load(file)  # written by this process's own child, from the same callback
+        except FileNotFoundError:
+            return None
         finally:
-            if path is not None:  # the folder goes whatever fails, Lightning's own reading included
-                shutil.rmtree(os.path.dirname(path), ignore_errors=True)
-        # the launching process holds the same callbacks, in the same order, as the children copied
-        for callback, state in zip(_carriers(trainer), states):
-            callback.load_spawn_state(state)
+            self.discard()
 
-    get_extra_results_with_states._lightning_simigrad = True  # type: ignore[attr-defined]
-    launcher.get_extra_results = get_extra_results_with_states  # type: ignore[method-assign]
-    launcher.update_main_process_results = update_main_process_results_with_states  # type: ignore[method-assign]
+    def discard(self) -> None:
+        """Forget a state no reading asked for (a fit in this process supersedes it)."""
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self.path)

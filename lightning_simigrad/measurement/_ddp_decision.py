@@ -14,7 +14,7 @@ HalfStats(dot=8.0, sq_a=16.0, sq_b=4.0, n_a=2, n_b=2)
 >>> decide([[1.0, 0.0, 0.0, 0.0, 0, 0], [float("nan")] * 4 + [0, 2]], n_a=1, n_b=1, squares=True)  # doctest: +ELLIPSIS
 Traceback (most recent call last):
 ...
-lightning_simigrad...MeasurementError: SimiGrad's DDP measurement failed on rank 1 (in a gradient ...
+lightning_simigrad.MeasurementError: SimiGrad's DDP measurement failed on rank 1 (in a gradient ...
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from lightning_simigrad.core.statistics import HalfStats
+from lightning_simigrad.measurement.protocol import MeasurementError
 
-__all__ = ["STAGES", "MeasurementError", "decide"]
+__all__ = ["STAGES", "decide"]
 
 STAGES = {
     1: "while preparing a gradient bucket, before its collectives",
@@ -32,10 +33,6 @@ STAGES = {
     4: "collect() was called after arm() but before a synchronising backward completed: arm before the "
     "window's last backward (the one outside `no_sync()`) and collect after it",
 }
-
-
-class MeasurementError(RuntimeError):
-    """The DDP measurement failed on some rank; every rank raises this, with the same message."""
 
 
 def decide(rows: Sequence[Sequence[float]], n_a: int, n_b: int, squares: bool) -> HalfStats:

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from lightning_simigrad.measurement._ddp_hook import Round
 
-__all__ = ["COLLECT", "NO_BACKWARD", "ROW", "failed_row", "fetch", "gather", "local_row", "scale_tensor"]
+__all__ = ["COLLECT", "NO_BACKWARD", "ROW", "failed_row", "fetch", "gather", "local_row"]
 
 ROW = 6
 COLLECT = 3  # failure stage: building this rank's row in collect(), before the all-gather
@@ -62,16 +62,6 @@ def gather(row: Tensor, group: dist.ProcessGroup, world_size: int) -> Tensor:
     out = torch.empty(world_size * ROW, dtype=row.dtype, device=row.device)
     dist.all_gather_into_tensor(out, row, group=group)
     return out.view(world_size, ROW)
-
-
-def scale_tensor(loss_scale: Any) -> Tensor | float | None:
-    """The loss scale without reading it to the host: a GradScaler's scale tensor, a tensor, a float, or None."""
-    if loss_scale is None or isinstance(loss_scale, (Tensor, float, int)):
-        return loss_scale
-    if not loss_scale.is_enabled():  # a GradScaler
-        return None
-    scale = loss_scale._get_scale_async() if hasattr(loss_scale, "_get_scale_async") else None
-    return scale if scale is not None else float(loss_scale.get_scale())
 
 
 def fetch(rows: Tensor, loss_scale: Tensor | float | None) -> tuple[list[list[float]], float]:

@@ -101,37 +101,20 @@ and four float64 numbers per bucket.
 """
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_simigrad import _compat
+from lightning_simigrad.core.plan import Window
 from lightning_simigrad.core.statistics import HalfStats
 from lightning_simigrad.measurement import _ddp_scalars
-from lightning_simigrad.measurement._ddp_decision import MeasurementError, decide
+from lightning_simigrad.measurement._ddp_decision import decide
 from lightning_simigrad.measurement._ddp_hook import BucketHook, Layout, Round
+from lightning_simigrad.measurement.protocol import LossScale, MeasurementError, loss_scale_of
 
 __all__ = ["MeasurementError", "RankGroupMeasurement"]
-
-
-def _registered_hook_name(ddp_model: DistributedDataParallel) -> str | None:
-    """The name of a communication hook already on ``ddp_model``, or None.
-
-    ``register_comm_hook`` appends to ``ddp_model._comm_hooks``; the built-in (C++) hooks of
-    ``_register_builtin_comm_hook`` leave that list empty but record their name in DDP's logging data.
-    Both are private, so each is read defensively; :meth:`RankGroupMeasurement.register` also catches
-    the reducer's own "can only be called once" error as a last line.
-    """
-    hooks = getattr(ddp_model, "_comm_hooks", None)
-    if hooks:
-        hook = hooks[0][0]
-        return str(getattr(hook, "__qualname__", hook))
-    try:
-        name = ddp_model._get_ddp_logging_data().get("comm_hook")
-    except Exception:  # private API: its absence must not block registration
-        name = None
-    return str(name) if name else None
 
 
 class RankGroupMeasurement:
@@ -225,7 +208,7 @@ class RankGroupMeasurement:
                 "`ddp_model` synchronises over a different process group than this measurement's; "
                 "pass the DDP model's group as `process_group`."
             )
-        existing = _registered_hook_name(ddp_model)
+        existing = _compat.comm_hook_name(ddp_model)
         if existing is not None:
             raise RuntimeError(self._hook_conflict_message(existing))
         try:
@@ -233,7 +216,7 @@ class RankGroupMeasurement:
         except RuntimeError as error:
             if "can only be called once" not in str(error):
                 raise
-            ddp_model._comm_hooks.pop()  # DDP appended ours before the reducer refused it
+            _compat.forget_last_comm_hook(ddp_model)  # DDP appended ours before the reducer refused it
             raise RuntimeError(self._hook_conflict_message("unknown")) from error
         parameter = next(ddp_model.parameters(), None)
         self._device = parameter.device if parameter is not None else torch.device("cpu")
@@ -278,7 +261,7 @@ class RankGroupMeasurement:
         """Drop an armed or uncollected measurement (local, no communication). Call it on all ranks."""
         self._armed = self._active = self._measured = None
 
-    def collect(self, loss_scale: Any = None) -> HalfStats | None:
+    def collect(self, loss_scale: LossScale = None) -> HalfStats | None:
         """The statistics of the last armed synchronisation, bitwise identical on every rank.
 
         A collective (an all-gather of six float64 numbers per rank), issued on every rank whatever failed
@@ -286,9 +269,9 @@ class RankGroupMeasurement:
         nothing was armed (on any rank: arm on all ranks or none), and disarms.
 
         Args:
-            loss_scale: the loss scale the backward ran under, to take out of the statistics: a
-                ``torch.amp.GradScaler`` (its scale tensor is read with the rows, in the same transfer),
-                a tensor, a float, or None for unscaled gradients.
+            loss_scale: the loss scale the backward ran under, to take out of the statistics: a tensor (read
+                with the rows, in the same transfer), a float, or None for unscaled gradients; a
+                ``torch.amp.GradScaler`` is read with :func:`~lightning_simigrad.measurement.protocol.loss_scale_of`.
 
         Raises:
             MeasurementError: on every rank alike, if the measurement failed on any rank, or no
@@ -306,7 +289,7 @@ class RankGroupMeasurement:
         except Exception as error:
             round.fail(_ddp_scalars.COLLECT, error)
             row = _ddp_scalars.failed_row(device, _ddp_scalars.COLLECT)
-        scale = _ddp_scalars.scale_tensor(loss_scale)
+        scale = loss_scale_of(loss_scale)
         try:
             rows, scale_value = _ddp_scalars.fetch(_ddp_scalars.gather(row, self._pg, self._world_size), scale)  # type: ignore[arg-type]
         except Exception as error:
@@ -321,6 +304,24 @@ class RankGroupMeasurement:
         except MeasurementError as error:
             raise error from (round.failure[1] if round.failure is not None else None)
         return stats.scaled(1.0 / scale_value) if scale_value != 1.0 else stats
+
+    # ------------------------------------------------------------------ the measurement protocol
+
+    def start_micro_batch(self, window: Window, index: int, params: Sequence[torch.Tensor]) -> None:
+        """Arm before the window's last micro-batch (the synchronising backward), when both groups have samples."""
+        if index != window.num_micro_batches - 1:
+            return
+        per_rank = window.samples_per_rank()
+        # a tiny epoch may leave one rank group without samples: nothing to compare
+        if len({self.group_of(r) for r, n in enumerate(per_rank) if n}) == 2:
+            self.arm(per_rank)
+
+    def after_backward(self, window: Window, index: int, fed: tuple[int, int], params: Sequence[torch.Tensor]) -> None:
+        """Nothing: the hook measured the synchronising backward as it ran."""
+
+    def abort(self) -> None:
+        """The window was abandoned: drop what was armed (see :meth:`disarm`)."""
+        self.disarm()
 
     def close(self) -> None:
         """Stop measuring: the hook then only averages. Local and idempotent; it communicates nothing."""

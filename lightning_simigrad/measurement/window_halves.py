@@ -4,49 +4,99 @@ Gradients accumulate over the window's micro-batches. With every sample weighed 
 (see :mod:`lightning_simigrad.integration.accumulation`), the sum over the first half's micro-batches is
 :math:`s = (n_A / N)\, g_A` and over the second half's :math:`r = (n_B / N)\, g_B`.
 
-At the window's midpoint :meth:`WindowHalvesMeasurement.set_aside` takes the accumulated gradient
-tensors off the parameters (``p.grad = None``: a move, no copy), so the second half accumulates on its
-own -- its first backward even skips the addition plain accumulation would do. At the window's last
-backward :meth:`~WindowHalvesMeasurement.combine` reads each pair once, chunk by chunk, for
+At the window's midpoint (:meth:`~WindowHalvesMeasurement.start_micro_batch` of its second half) the
+measurement takes the accumulated gradient tensors off the parameters (``p.grad = None``: a move, no
+copy), so the second half accumulates on its own -- its first backward even skips the addition plain
+accumulation would do. At the window's last
+backward (:meth:`~WindowHalvesMeasurement.after_backward`) it reads each pair once, chunk by chunk, for
 :math:`s \cdot s`, :math:`s \cdot r`, :math:`r \cdot r` and adds :math:`s` back into the gradient in
 the same pass, so the optimizer steps with exactly :math:`s + r = g`. The halves are kept apart, so
 their products carry no cancellation error; the memory traffic equals the addition that plain
 accumulation does anyway, and the set-aside tensors are the one gradient-sized buffer this costs.
 
-This happens in ``on_after_backward``, before a ``GradScaler`` unscales the gradient and checks it for
-overflow, so both halves carry the same loss scale (``inv_scale`` removes it from the products) and an
-overflow in either half makes the scaler skip the step.
+This happens after the window's last backward, before a ``GradScaler`` unscales the gradient and checks
+it for overflow, so both halves carry the same loss scale (``collect`` takes it out of the products) and
+an overflow in either half makes the scaler skip the step.
 
 On CUDA everything here runs on the current stream of the training loop, where the backward left the
 gradients. A set-aside tensor was made by the backward's stream, though, and a user's model may run
 parts of its backward on other streams: before such a tensor is dropped (re-joined or restored) it is
 marked as read on the current stream, so the caching allocator cannot reuse its memory while the
 products and the addition that read it are still queued. The products are summed on the device and read
-to the host once, with the loss scale when it is given as a tensor (one host synchronisation).
+to the host once, in :meth:`~WindowHalvesMeasurement.collect`, with the loss scale when it is a tensor (one
+host synchronisation).
+
+A window abandoned after its midpoint (:meth:`~WindowHalvesMeasurement.abort`) gets its first half back:
+the gradient is then what plain accumulation leaves, and the next window's ``zero_grad`` clears it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
+from lightning_simigrad.core.plan import Window
 from lightning_simigrad.core.statistics import HalfStats
 from lightning_simigrad.measurement._dots import gram_and_add_, square
+from lightning_simigrad.measurement.protocol import LossScale
 
 __all__ = ["WindowHalvesMeasurement"]
 
 
 class WindowHalvesMeasurement:
-    """Keep the first half's gradient aside at a window's midpoint; compare and re-join at its end."""
+    """One process: the first half's gradient kept aside at a window's midpoint, compared and re-joined at its end.
+
+    Implements :class:`~lightning_simigrad.measurement.protocol.Measurement`.
+    """
 
     def __init__(self) -> None:
         self._first: list[tuple[Tensor, Tensor]] = []
+        # the last backward's products [s.s, s.r, r.r] on the device, with n_A, n_B and the window's N
+        self._products: tuple[Tensor, int, int, int] | None = None
 
     @property
     def holds_first_half(self) -> bool:
         return bool(self._first)
 
-    def set_aside(self, params: list[Tensor]) -> None:
+    # ------------------------------------------------------------------------------ the protocol
+    def start_micro_batch(self, window: Window, index: int, params: Sequence[Tensor]) -> None:
+        if index == 0:
+            self._products = None
+        if index == window.half_split() and index > 0:
+            # set aside before the second half's first backward (after any skipped micro-batch too)
+            self.set_aside(params)
+
+    def after_backward(self, window: Window, index: int, fed: tuple[int, int], params: Sequence[Tensor]) -> None:
+        if index == window.num_micro_batches - 1 and self._first:
+            # the window's last backward, before a GradScaler unscales and checks the gradient: both halves
+            # are still scaled alike. Each half is the mean of the samples it fed.
+            self._products = (self.combine(params), fed[0], fed[1], window.total)
+
+    def collect(self, loss_scale: LossScale) -> HalfStats | None:
+        self.restore()  # the last micro-batch was skipped: re-join the halves, unmeasured
+        measured, self._products = self._products, None
+        if measured is None:
+            return None
+        products, n_a, n_b, total = measured
+        if isinstance(loss_scale, Tensor):
+            products = torch.cat([products, loss_scale.detach().reshape(1).to(products)])
+        values = products.tolist()  # the one host synchronisation
+        ss, sr, rr = values[:3]
+        scale = values[3] if isinstance(loss_scale, Tensor) else float(loss_scale or 1.0)
+        fa, fb = total / n_a / scale, total / n_b / scale  # g_A = fa s, g_B = fb r, unscaled
+        return HalfStats(dot=sr * fa * fb, sq_a=ss * fa * fa, sq_b=rr * fb * fb, n_a=n_a, n_b=n_b)
+
+    def abort(self) -> None:
+        self.restore()
+        self._products = None
+
+    def close(self) -> None:
+        self.abort()
+
+    # ------------------------------------------------------------------------------ the halves
+    def set_aside(self, params: Sequence[Tensor]) -> None:
         """Take the accumulated gradients off ``params``; the next backward starts the second half."""
         self.restore()
         for p in params:
@@ -56,7 +106,7 @@ class WindowHalvesMeasurement:
 
     @torch.no_grad()
     def restore(self) -> None:
-        """Add the first half back without measuring (a window Lightning ended early, or teardown)."""
+        """Add the first half back without measuring (a window ended early, or teardown)."""
         for p, first in self._first:
             if p.grad is None:
                 p.grad = first
@@ -66,21 +116,8 @@ class WindowHalvesMeasurement:
         self._first = []
 
     @torch.no_grad()
-    def combine(
-        self,
-        params: list[Tensor],
-        n_a: int,
-        n_b: int,
-        inv_scale: float | Tensor = 1.0,
-        total: int | None = None,
-    ) -> HalfStats:
-        """Statistics of the two halves; leaves ``p.grad`` holding the whole window's gradient.
-
-        ``total`` is the window's planned :math:`N` (each sample weighed ``1/N``); it exceeds
-        ``n_a + n_b`` when a micro-batch was skipped (``training_step`` returned None).
-        ``inv_scale`` (a float, or a tensor read in the same transfer as the products) removes a loss
-        scale from the statistics.
-        """
+    def combine(self, params: Sequence[Tensor]) -> Tensor:
+        """``[s.s, s.r, r.r]`` of the two halves as a float64 device tensor; leaves ``p.grad`` holding ``s + r``."""
         parts = []
         aside = set()
         for p, first in self._first:
@@ -97,15 +134,7 @@ class WindowHalvesMeasurement:
                 rr = square(p.grad)
                 parts.append(torch.stack([torch.zeros_like(rr), torch.zeros_like(rr), rr]))
         self._first = []
-        products = torch.stack(parts).sum(0) if parts else torch.zeros(3, dtype=torch.float64)
-        if isinstance(inv_scale, Tensor):
-            products = torch.cat([products, inv_scale.detach().reshape(1).to(products)])
-        values = products.tolist()  # the one host synchronisation
-        ss, sr, rr = values[:3]
-        scale = values[3] if isinstance(inv_scale, Tensor) else float(inv_scale)
-        total = n_a + n_b if total is None else total
-        fa, fb = total / n_a * scale, total / n_b * scale  # g_A = fa s, g_B = fb r, unscaled
-        return HalfStats(dot=sr * fa * fb, sq_a=ss * fa * fa, sq_b=rr * fb * fb, n_a=n_a, n_b=n_b)
+        return torch.stack(parts).sum(0) if parts else torch.zeros(3, dtype=torch.float64)
 
 
 def _read_on_current_stream(tensor: Tensor) -> None:

@@ -1,11 +1,21 @@
 """SimiGrad's checkpointed state: its format, and the checks a checkpoint passes before a run resumes from it.
 
-The callback saves a dict of plain scalars and lists under its ``state_key`` in Lightning's checkpoint. This
-module owns its shape. :func:`validate_state` runs when Lightning restores the callback, before the first step,
-and refuses -- with the checkpoint's path, the field, the value and what to do -- a state that is malformed
-(damaged, edited, written by another program) or written in a format this version cannot read. A run never
-starts from a state it would misread, and never stops at its first batch on random generator states it cannot
-restore: every rank's are checked, field by field, as :mod:`lightning_simigrad.state.rng` writes them.
+The callback saves a dict of plain scalars and lists under its ``state_key`` in Lightning's checkpoint, composed
+of the pieces its components hand (and get back when a fit resumes, :mod:`lightning_simigrad.state.resume`):
+
+- the run (:meth:`lightning_simigrad.run.Run.state_dict`): ``format_version``, ``initial_batch_size``,
+  ``samples_seen``, ``steps``, ``epoch_samples_done``, ``epoch_length``, ``world_size``;
+- the window schedule (:meth:`lightning_simigrad.data.schedule.WindowSchedule.state_dict`): ``batch_size``,
+  ``seed``, ``epoch``, ``planned``;
+- the controller: ``controller``; the step schedules counted in samples: ``progress``;
+- every rank's random generator states: ``rng`` (:mod:`lightning_simigrad.state.rng`).
+
+This module owns the shape (``tests/test_checkpoint.py`` spells it out). :func:`validate_state` runs when
+Lightning restores the callback, before the first step, and refuses -- with the checkpoint's path, the field, the
+value and what to do -- a state that is malformed (damaged, edited, written by another program) or written in a
+format this version cannot read. A run never starts from a state it would misread, and never stops at its first
+batch on random generator states it cannot restore: every rank's are checked, field by field, as
+:mod:`lightning_simigrad.state.rng` writes them.
 
 Format history:
 

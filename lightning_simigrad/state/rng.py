@@ -4,7 +4,7 @@ Lightning does not checkpoint random number generators. A model that draws rando
 step (dropout, noise) therefore resumes on another random stream, its half-batch similarities differ from the
 uninterrupted run's, and so do the batch sizes SimiGrad chooses after them. The callback keeps, per rank, the
 states of torch's CPU generator, the current CUDA device's, Python's ``random`` and NumPy's global generator,
-and puts them back where the uninterrupted run would draw next (see ``SimiGrad._resume``).
+and puts them back where the uninterrupted run would draw next (see :mod:`lightning_simigrad.state.resume`).
 
 States are kept as bytes and plain Python values: compact, loaded by ``torch.load(weights_only=True)``, and
 gathered across ranks by ``all_gather_object`` (which in torch 2.14 cannot carry tensors).

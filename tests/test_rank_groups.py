@@ -5,8 +5,6 @@ failure comes back as that rank's traceback.
 """
 
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,10 +13,8 @@ from distributed import run_ok
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from lightning_simigrad.measurement.rank_groups import MeasurementError, RankGroupMeasurement
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from gpu_check import HostSyncs, flat_grad, reference_stats, run_window  # noqa: E402  (one copy of each)
+from lightning_simigrad.measurement import MeasurementError, RankGroupMeasurement, loss_scale_of
+from lightning_simigrad.testing import HostSyncs, flat_grad, reference_halves, run_window
 
 BUCKET_CAP_MB = 1e-5  # ~10 bytes: (after the rebuild) one bucket per parameter tensor
 
@@ -88,7 +84,7 @@ def _check_measurement(rank: int, world_size: int) -> None:
             assert collect_reads.count == (1 if armed else 0)  # one host synchronisation per step
             if stats is not None and loss_scale is not None:
                 stats = stats.scaled(2.0)  # the statistics came divided by the scale: 2^2, exactly
-            reference = reference_stats(flat_grad(local), counts)
+            reference = reference_halves(flat_grad(local), counts)
             if not armed:
                 assert stats is None
             else:
@@ -195,7 +191,7 @@ def _check_low_precision(rank: int, world_size: int, dtype: torch.dtype) -> None
     assert torch.equal(flat_grad(plain), flat_grad(hooked))
     stats = measurement.collect()
     assert stats is not None and stats.is_finite
-    dot, sq_a, sq_b = reference_stats(flat_grad(local), counts)
+    dot, sq_a, sq_b = reference_halves(flat_grad(local), counts)
     # The reference sums the halves in float64; DDP's (and so our) g is rounded to `dtype`.
     assert stats.similarity == pytest.approx(dot / (sq_a * sq_b) ** 0.5, abs=2e-2)
     assert stats.sq_a == pytest.approx(sq_a, rel=2e-2)
@@ -234,7 +230,7 @@ def _check_low_similarity(rank: int, world_size: int) -> None:
         assert torch.equal(flat_grad(plain), flat_grad(hooked))
         stats = measurement.collect()
         assert stats is not None
-        dot, sq_a, sq_b = reference_stats(flat_grad(local), counts)
+        dot, sq_a, sq_b = reference_halves(flat_grad(local), counts)
         scale = (sq_a * sq_b) ** 0.5
         assert abs(dot / scale) < 0.1, dot / scale  # the case this test is about
         assert abs(stats.dot - dot) <= 1e-6 * scale, (window, stats.dot, dot)
@@ -253,11 +249,11 @@ def test_the_loss_scale_is_read_with_the_rows_in_one_transfer() -> None:
     from lightning_simigrad.measurement import _ddp_scalars
 
     scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
-    assert _ddp_scalars.scale_tensor(scaler) == 8.0  # before its first step the scaler has no tensor yet
+    assert loss_scale_of(scaler) == 8.0  # before its first step the scaler has no tensor yet
     scaler.scale(torch.ones(()))  # now it holds its scale as a tensor: read without a synchronisation
-    scale = _ddp_scalars.scale_tensor(scaler)
+    scale = loss_scale_of(scaler)
     assert isinstance(scale, torch.Tensor) and scale.item() == 8.0
-    assert _ddp_scalars.scale_tensor(torch.amp.GradScaler("cpu", enabled=False)) is None
+    assert loss_scale_of(torch.amp.GradScaler("cpu", enabled=False)) is None
     rows = torch.arange(12, dtype=torch.float64).view(2, 6)
     with HostSyncs("cpu") as reads:
         values, value = _ddp_scalars.fetch(rows, scale)

@@ -1,0 +1,169 @@
+"""The window schedule the sampler and the run share: the batch size asked for, and the windows planned ahead.
+
+Because a DataLoader with workers draws index batches several micro-batches ahead of training, the sampler --
+not the training loop -- is the authority on window boundaries: it records every window it plans in the
+:class:`WindowSchedule`'s :class:`EpochPlan`, and the run reads back, micro-batch by micro-batch, which window
+and slot the batch being trained belongs to. A decision therefore takes effect at the next window the sampler
+starts, and every step still knows exactly which samples it averages.
+
+Because windows are planned ahead of training, the batch size a window was planned with is a decision
+taken one or more steps before the window trains. A checkpoint therefore records, beside the
+controller, the batch sizes of the windows already planned but not yet committed by an optimizer step
+(:attr:`EpochPlan.pending`); a resumed sampler plans those again first (:class:`ResumePoint`), so the
+resumed run trains the windows the uninterrupted run trained.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_simigrad.core.plan import Window, plan_window
+
+__all__ = ["EpochPlan", "ResumePoint", "WindowSchedule"]
+
+
+@dataclass
+class EpochPlan:
+    """The windows one epoch's iterator has planned and training has not finished, with the training cursor.
+
+    ``windows[0]`` is the window being trained; windows are dropped once training moves past them, so the
+    plan holds only the few windows the DataLoader has drawn ahead (its memory does not grow with the epoch).
+    ``requests[i]`` is the batch size ``windows[i]`` was planned with.
+
+    ``end`` is the sample position where the epoch's training stops (the data's end, a limit, or the fit's
+    budget) and ``planned`` how far windows are planned; once a window reaches ``end``, ``last_window``
+    is its index among all the epoch's windows and ``ends_epoch`` tells whether that is the data's end
+    rather than a stop.
+    """
+
+    epoch: int = 0
+    windows: deque[Window] = field(default_factory=deque)
+    requests: deque[int] = field(default_factory=deque)
+    end: int = 0
+    planned: int = 0
+    last_window: int | None = None
+    ends_epoch: bool = False
+    _micro: int = -1
+    _committed: bool = False  # an optimizer step has averaged windows[0]
+    _dropped: int = 0  # windows training has finished (their index is how many came before)
+
+    @property
+    def planned_windows(self) -> int:
+        """Windows planned in this epoch so far, trained or not."""
+        return self._dropped + len(self.windows)
+
+    def append(self, window: Window, requested: int) -> None:
+        self.windows.append(window)
+        self.requests.append(requested)
+
+    def next_micro_batch(self) -> tuple[Window, int]:
+        """Advance to the next micro-batch the trainer receives; returns its window and index in it."""
+        self._micro += 1
+        if self._micro >= self.windows[0].num_micro_batches:
+            self.windows.popleft()
+            self.requests.popleft()
+            self._dropped += 1
+            self._micro = 0
+            self._committed = False
+        return self.windows[0], self._micro
+
+    def commit(self) -> None:
+        """The optimizer step averaging the window being trained has run."""
+        self._committed = True
+
+    @property
+    def inside_window(self) -> bool:
+        """Training has started a window that no optimizer step has averaged yet."""
+        return self._micro >= 0 and not self._committed
+
+    @property
+    def pending(self) -> list[int]:
+        """Batch sizes of the planned windows no optimizer step has averaged yet, in order."""
+        requests = list(self.requests)
+        started = self._micro >= 0
+        return requests[1:] if started and self._committed else requests
+
+    def micro_batches_left(self) -> tuple[int, bool]:
+        """Micro-batches the epoch trains after the current one, and whether the count is exact.
+
+        Planned windows count exactly; samples not planned yet count at the last planned window's
+        micro-batch size.
+        """
+        last = (self.last_window if self.last_window is not None else self.planned_windows - 1) - self._dropped
+        left = sum(w.num_micro_batches for w in itertools.islice(self.windows, 0, last + 1)) - (self._micro + 1)
+        if self.last_window is None and self.end > self.planned:
+            window = self.windows[-1]
+            left += math.ceil((self.end - self.planned) * window.num_micro_batches / window.total)
+        return left, self.last_window is not None
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a resumed run picks up an epoch.
+
+    Args:
+        epoch: the epoch the run was training.
+        samples_done: samples of that epoch's committed windows (the sampler skips them).
+        planned: batch sizes of the windows planned but not committed when the checkpoint was written, within
+            this fit's bounds; they are planned again, in order, before the controller's current batch size is used.
+    """
+
+    epoch: int
+    samples_done: int
+    planned: tuple[int, ...] = ()
+
+
+@dataclass
+class WindowSchedule:
+    """State shared by the sampler (which plans windows) and the run (which sets the batch size).
+
+    Args:
+        batch_size: the global batch size for the next window the sampler starts.
+        max_micro_batch_size: per-rank cap of a micro-batch.
+        world_size: number of ranks.
+        min_micro_batches: 2 on one process (its halves are two halves of the window), else 1.
+        seed: seed of the shuffling permutation; identical on all ranks.
+        epoch: returns the epoch being iterated (read when an epoch's iterator starts).
+        epoch_limit: most samples an epoch feeds (None: the whole dataset).
+        samples_left: returns how many samples the fit may still train (read when an epoch's iterator
+            starts, when every window planned before has been trained); ``math.inf`` when unbounded.
+            The window that reaches it is cut to exactly what is left.
+    """
+
+    batch_size: int
+    max_micro_batch_size: int
+    world_size: int = 1
+    min_micro_batches: int = 1
+    seed: int = 0
+    epoch: Callable[[], int] = lambda: 0
+    epoch_limit: int | None = None
+    samples_left: Callable[[], float] = lambda: math.inf
+    current: EpochPlan = field(default_factory=EpochPlan)
+    # where a run resumed in the middle of an epoch picks it up
+    resume_from: ResumePoint | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The schedule's part of the checkpoint: the batch size asked for, the shuffling seed, the epoch being
+        trained and the batch sizes of the windows planned that no optimizer step has averaged yet."""
+        return {
+            "batch_size": self.batch_size,
+            "seed": self.seed,
+            "epoch": self.current.epoch,
+            "planned": self.current.pending,
+        }
+
+    def plan(self, available: int, take_small_remainder: bool = True, batch_size: int | None = None) -> Window:
+        return plan_window(
+            self.batch_size if batch_size is None else batch_size,
+            available,
+            self.world_size,
+            self.max_micro_batch_size,
+            self.min_micro_batches,
+            even_micro_batches=self.min_micro_batches >= 2,
+            take_small_remainder=take_small_remainder,
+        )

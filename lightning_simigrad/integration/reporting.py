@@ -1,0 +1,118 @@
+"""What SimiGrad tells the user: every step's metrics, the history, the fit's summary and the progress bar's postfix.
+
+Every optimizer step makes one row of :data:`METRICS`. Rank zero sends it to every logger of the Trainer (with
+the optimizer step's number as the step); every rank puts it in ``trainer.callback_metrics`` as tensors, so
+Lightning's own callbacks can monitor it (``EarlyStopping(monitor="simigrad/batch_size")``,
+``ModelCheckpoint(monitor="simigrad/similarity")``); the latest ``history_size`` rows stay in
+:attr:`Reporting.history`. At the fit's end rank zero logs a one-line summary, and a W&B run gets it in its
+summary table.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+
+from lightning_simigrad.integration.progress_bar import postfix_fields
+from lightning_simigrad.run import Run, Step
+
+__all__ = ["METRICS", "Reporting"]
+
+METRICS = (
+    "simigrad/batch_size",
+    "simigrad/similarity",
+    "simigrad/lr_scale",
+    "simigrad/lr",
+    "simigrad/micro_batch_size",
+    "simigrad/accumulation",
+    "simigrad/samples_seen",
+    "simigrad/noise_scale",
+)
+
+
+class Reporting:
+    """The metrics of every step, and the readings built from them.
+
+    Args:
+        history_size: how many of the latest steps :attr:`history` keeps (None: all, 0: none).
+    """
+
+    def __init__(self, history_size: int | None) -> None:
+        self.history_size = history_size
+        # one row per step, the latest `history_size` of them: a long fit's memory stays flat
+        self.history: list[dict[str, float]] = []
+        self.last_similarity = math.nan  # the last finite one, for the progress bar
+        self.batch_range = (2**63, 0)  # smallest and largest step of this process's fits
+        self.b0_steps = 0  # the samples trained so far, in steps of B0 (what the fixed batch takes)
+
+    def record(self, step: Step, run: Run, applied_lr: float, b0_steps: int) -> dict[str, float]:
+        """The step's row of :data:`METRICS`, kept in the history."""
+        row = {
+            "simigrad/batch_size": float(step.samples),
+            "simigrad/similarity": step.stats.similarity if step.stats is not None else math.nan,
+            "simigrad/lr_scale": step.lr_factor,
+            "simigrad/lr": applied_lr,
+            "simigrad/micro_batch_size": float(step.window.max_micro_batch_size),
+            "simigrad/accumulation": float(step.micro_batches),
+            "simigrad/samples_seen": float(step.total_span[1]),
+            "simigrad/noise_scale": run.controller.noise_scale,
+        }
+        if self.history_size != 0:
+            self.history.append({"step": float(step.index), **{k.split("/", 1)[1]: v for k, v in row.items()}})
+            if self.history_size is not None and len(self.history) > self.history_size:
+                del self.history[: len(self.history) - self.history_size]
+        if math.isfinite(row["simigrad/similarity"]):
+            self.last_similarity = row["simigrad/similarity"]
+        if step.samples:
+            low, high = self.batch_range
+            self.batch_range = (min(low, step.samples), max(high, step.samples))
+        self.b0_steps = b0_steps
+        return row
+
+    @staticmethod
+    def publish(trainer: pl.Trainer, row: dict[str, float], step: int) -> None:
+        """To the loggers (rank zero) and to ``trainer.callback_metrics`` (every rank, as Lightning keeps it)."""
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(row, step=step)
+        trainer.callback_metrics.update({name: torch.tensor(value) for name, value in row.items()})
+
+    def summary(self, run: Run) -> dict[str, int]:
+        """The fit so far in numbers: optimizer steps, samples, batch-size range, and the steps B0 would take."""
+        low, high = self.batch_range
+        return {
+            "optimizer_steps": run.steps,
+            "samples": run.samples_seen,
+            "initial_batch_size": run.b0,
+            "min_batch_size": low if high else 0,
+            "max_batch_size": high,
+            "steps_at_initial_batch_size": self.b0_steps,
+        }
+
+    def announce(self, trainer: pl.Trainer, numbers: dict[str, int]) -> None:
+        """The summary, logged once on rank zero and put in a W&B run's summary table."""
+        ratio = numbers["steps_at_initial_batch_size"] / max(1, numbers["optimizer_steps"])
+        rank_zero_info(
+            f"SimiGrad: {numbers['optimizer_steps']} optimizer steps over {numbers['samples']} samples, batch size"
+            f" {numbers['min_batch_size']}..{numbers['max_batch_size']} (B0 = {numbers['initial_batch_size']});"
+            f" a fixed batch of {numbers['initial_batch_size']} takes {numbers['steps_at_initial_batch_size']}"
+            f" steps ({ratio:.1f}x as many)"
+        )
+        for logger in trainer.loggers:
+            experiment: Any = getattr(logger, "experiment", None)
+            if hasattr(experiment, "summary") and hasattr(experiment.summary, "update"):  # a W&B run's table
+                experiment.summary.update({f"simigrad/{k}": v for k, v in numbers.items()})
+            else:
+                summary = {f"simigrad/summary/{k}": float(v) for k, v in numbers.items()}
+                logger.log_metrics(summary, step=numbers["optimizer_steps"])
+
+    def postfix(self, run: Run) -> dict[str, str] | None:
+        """The progress bar's entries: this step's batch, the last similarity measured, the noise scale."""
+        if run.window is None:
+            return None
+        widest = max(run.controller.max_batch_size or 0, run.epoch_samples())
+        return postfix_fields(run.window.total, len(str(widest)), self.last_similarity, run.controller.noise_scale)

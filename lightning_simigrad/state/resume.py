@@ -1,0 +1,186 @@
+"""Where a resumed fit stands, as named stages, and what it restores there.
+
+Lightning does not checkpoint random number generators, and it cannot say which samples of an epoch a
+checkpoint written in its middle had trained. SimiGrad's state (:mod:`lightning_simigrad.state.checkpoint`)
+records both; a resumed fit then passes through these stages:
+
+========================  =========================================================================
+stage                     what is still to do
+========================  =========================================================================
+``FRESH``                 nothing: no checkpoint, or one whose generators are not restored here
+``WITHOUT_STATE``         nothing: the checkpoint had no SimiGrad state; SimiGrad starts at B0
+``RNG_AT_FIRST_BATCH``    written inside an epoch: the generators go back at the first training batch,
+                          where the uninterrupted run drew next
+``RNG_BEFORE_EPOCH``      written at an epoch's end: the generators go back before the next epoch's
+                          data iterator is made (its shuffling seed is drawn then), and again if
+                          Lightning makes that iterator once more
+``RESTORED``              the generators are back; the fit runs on as the uninterrupted one did
+========================  =========================================================================
+
+:class:`Restart` is what Lightning says about the checkpoint, read by the integration layer, so that
+this module and :class:`~lightning_simigrad.run.Run` never touch Lightning.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from lightning_simigrad.data.schedule import ResumePoint
+from lightning_simigrad.state.rng import rng_state, set_rng_state
+
+if TYPE_CHECKING:
+    from lightning_simigrad.run import Run
+
+__all__ = ["Restart", "Resumption", "Stage", "resume"]
+
+
+class Stage(enum.Enum):
+    FRESH = "fresh"
+    WITHOUT_STATE = "without_state"
+    RNG_AT_FIRST_BATCH = "rng_at_first_batch"
+    RNG_BEFORE_EPOCH = "rng_before_epoch"
+    RESTORED = "restored"
+
+
+@dataclass(frozen=True)
+class Restart:
+    """A checkpoint being resumed, as Lightning describes it.
+
+    Args:
+        path: the checkpoint, for messages.
+        state: SimiGrad's state in it (validated), or None when it has none.
+        epoch: the epoch Lightning trains first (what samplers' ``set_epoch`` receive).
+        at_epoch_end: it was written after its epoch's last batch (Lightning then trains the next epoch).
+        batches_into_epoch: micro-batches of the epoch it was written in that had run (0 at an epoch's start).
+        global_step: optimizer steps it counted.
+    """
+
+    path: str
+    state: dict[str, Any] | None
+    epoch: int
+    at_epoch_end: bool
+    batches_into_epoch: int
+    global_step: int
+
+
+class Resumption:
+    """The stage a fit stands at, with this rank's generator states from the checkpoint while they wait."""
+
+    def __init__(self, stage: Stage = Stage.FRESH, states: dict[str, Any] | None = None) -> None:
+        if (states is not None) != (stage in _WAITING):
+            raise ValueError(f"the stage {stage.name} {'takes no' if states is not None else 'needs'} generator states")
+        self.stage = stage
+        self.states = states
+        self.before_epoch()  # Lightning makes the data iterator right after the data is loaded
+
+    def before_epoch(self) -> None:
+        """A new epoch's data iterator is about to be made."""
+        if self.stage is Stage.RNG_BEFORE_EPOCH and self.states is not None:
+            set_rng_state(self.states)
+
+    def at_first_batch(self) -> None:
+        """The fit's first training batch is about to run."""
+        if self.stage is Stage.RNG_AT_FIRST_BATCH and self.states is not None:
+            set_rng_state(self.states)
+        if self.stage in _WAITING:
+            self.stage, self.states = Stage.RESTORED, None
+
+    def to_save(self, window_start: dict[str, Any] | None) -> dict[str, Any]:
+        """The states a checkpoint written now records: those still waiting for the first batch, else those at
+        the start of the window being trained (``window_start``, which a resume trains again), else the current."""
+        if self.stage is Stage.RNG_AT_FIRST_BATCH and self.states is not None:
+            return self.states
+        return window_start if window_start is not None else rng_state()
+
+    def forget(self) -> None:
+        """Drop the states that wait to be restored (a fit that ended before its first batch never restores them)."""
+        if self.stage in _WAITING:
+            self.stage, self.states = Stage.FRESH, None
+
+
+_WAITING = (Stage.RNG_AT_FIRST_BATCH, Stage.RNG_BEFORE_EPOCH)
+
+
+def resume(run: Run, restart: Restart, warn: Callable[[str], None], info: Callable[[str], None]) -> Resumption:
+    """Pick the fit up where ``restart``'s checkpoint left it, or refuse a resume that cannot be exact.
+
+    Every component gets its own piece of the checkpoint back: the controller its state, the schedule its
+    batch size, seed and the windows planned but not trained, the run its counts.
+    """
+    state = restart.state
+    if state is None:
+        _resume_without_state(run, restart, warn)
+        return Resumption(Stage.WITHOUT_STATE)
+    run.controller.load_state_dict(state["controller"])
+    schedule = run.schedule
+    schedule.batch_size = run.within_bounds(state["batch_size"])
+    schedule.seed = state["seed"]
+    run.samples_seen, run.steps = state["samples_seen"], state["steps"]
+    epoch, done = state["epoch"], state["epoch_samples_done"]
+    # a checkpoint written at the epoch's last batch ends it: Lightning then trains the next epoch
+    same_epoch = epoch == restart.epoch and not restart.at_epoch_end
+    mid_epoch = same_epoch and done > 0
+    if mid_epoch and state["epoch_length"] != run.data.epoch_length:
+        raise ValueError(
+            f"The checkpoint {restart.path} was written {done} samples into epoch {epoch} of a training set of"
+            f" {state['epoch_length']} samples; this fit's training set has {run.data.epoch_length}, so the rest of"
+            " that epoch cannot be identified. Resume with the same training data, or from a checkpoint written at"
+            " the end of an epoch."
+        )
+    if same_epoch and (done > 0 or state["planned"]) and run.world_size == 1 and not run.data.regenerable_order:
+        # (under DDP the sampler refuses such an order)
+        warn(
+            f"The checkpoint {restart.path} was written in the middle of epoch {epoch}, and the training"
+            f" DataLoader's `{run.data.sampler}` has an order SimiGrad cannot regenerate (only a RandomSampler without"
+            " replacement and a SequentialSampler have one): the rest of the epoch is taken from a new draw of"
+            f" that order, past its first {done} samples, not from the order the interrupted run was following."
+            f" Unless the sampler yields the same order every time, the resumed run trains other samples in epoch"
+            f" {epoch} than the uninterrupted run. Resume from a checkpoint written at an epoch's end for an exact"
+            " resume."
+        )
+    planned = tuple(run.within_bounds(size) for size in state["planned"])
+    schedule.resume_from = ResumePoint(epoch, done, planned)
+    if schedule.batch_size != state["batch_size"] or planned != tuple(state["planned"]):
+        low, high = run.controller.min_batch_size, run.controller.max_batch_size
+        need = schedule.world_size * schedule.min_micro_batches
+        warn(
+            f"The checkpoint {restart.path} asks for batch sizes outside this fit's bounds, {low} to"
+            f" {'any size' if high is None else high} (`min_batch_size` and `max_batch_size`, and at least the"
+            f" {need} samples a measurement needs on {run.world_size} rank(s)): its batch size"
+            f" {state['batch_size']} and the windows it had planned, {list(state['planned'])}, are brought within"
+            f" them ({schedule.batch_size}, {list(planned)}). The resumed run therefore differs from the"
+            " uninterrupted one from its first step."
+        )
+    run.epoch_samples_done = done if mid_epoch else 0
+    if state["world_size"] != run.world_size:
+        info(
+            f"SimiGrad: resuming a checkpoint written on {state['world_size']} rank(s) on {run.world_size}:"
+            f" batch size {schedule.batch_size}, B0 {run.b0}, {run.samples_seen} samples seen; the rest of epoch"
+            f" {epoch} is shared among the {run.world_size} rank(s)."
+        )
+    states = state.get("rng")
+    if states is None or len(states) != run.world_size:  # on other ranks, their streams start anew
+        return Resumption()
+    return Resumption(Stage.RNG_AT_FIRST_BATCH if same_epoch else Stage.RNG_BEFORE_EPOCH, states[run.rank])
+
+
+def _resume_without_state(run: Run, restart: Restart, warn: Callable[[str], None]) -> None:
+    message = (
+        f"The checkpoint {restart.path} has no SimiGrad state (it was written by a fit without the SimiGrad"
+        " callback): SimiGrad starts again at the initial batch size B0 with a new controller, counting the"
+        " checkpoint's steps as steps of B0 samples."
+    )
+    if restart.batches_into_epoch > 0:
+        message += (
+            f" It was written {restart.batches_into_epoch} batches into epoch {restart.epoch}, and nothing in it"
+            f" says which samples they held: epoch {restart.epoch} restarts from its first sample, so those batches'"
+            " samples are trained again (plain Lightning, too, restarts a DataLoader that cannot resume from its"
+            " first sample). Resume from a checkpoint written at an epoch's end to avoid it."
+        )
+    warn(message)
+    # counted as the fixed-batch run that wrote the checkpoint counted: its steps were B0 samples
+    run.steps = restart.global_step
+    run.samples_seen = restart.global_step * run.b0

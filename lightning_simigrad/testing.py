@@ -1,0 +1,193 @@
+r"""References to check SimiGrad against: every step's gradient is the mean of exactly its samples.
+
+One harness for the project's tests, ``benchmarks/gpu_check.py`` and users who want to see it on their own
+model, on one process or on any number of DDP ranks:
+
+- :class:`StepAudit`, a Lightning callback placed after :class:`~lightning_simigrad.SimiGrad`: at every optimizer
+  step it gathers the samples every rank fed, recomputes the mean loss's gradient over exactly those samples on a
+  copy of the module, and records the relative error of the gradient the optimizer is about to apply, whether
+  every rank holds the same gradient, and the cosine similarity of the two halves' reference gradients (the
+  window's halves in time on one process, the two rank groups under DDP);
+- for a hand-built DDP model without Lightning: :func:`run_window` accumulates one window with SimiGrad's loss
+  weights, :func:`reference_halves` recomputes :math:`g_A \cdot g_B`, :math:`|g_A|^2`, :math:`|g_B|^2` in
+  float64 from every rank's local gradient, :func:`relative_error` compares a measurement with them;
+- :class:`HostSyncs` counts host synchronisations (CUDA's sync-debug warnings on a GPU, tensor reads on CPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+__all__ = ["AuditedStep", "HostSyncs", "StepAudit", "flat_grad", "reference_halves", "relative_error", "run_window"]
+
+
+@dataclass
+class AuditedStep:
+    """One optimizer step as :class:`StepAudit` saw it."""
+
+    per_rank: list[list[int]]  # the samples each rank fed (zero-weight padding samples left out)
+    halves: tuple[list[int], list[int]]  # the samples of half A and half B
+    grad_rel_error: float  # |g - g_ref| / |g_ref| for the gradient the optimizer applies
+    ranks_identical: bool  # every rank holds bitwise the same gradient
+    similarity: float  # cos(g_A, g_B) of the halves' reference gradients (NaN without two halves)
+    samples: list[int] = field(init=False)  # every sample of the step, in rank order
+
+    def __post_init__(self) -> None:
+        self.samples = [i for rank in self.per_rank for i in rank]
+
+
+class StepAudit(pl.Callback):
+    """After SimiGrad: each optimizer step's gradient against the mean loss over exactly the samples it fed.
+
+    Args:
+        indices: the dataset indices of a micro-batch.
+        mean_loss: the mean loss of ``module`` (a deep copy of the LightningModule) over the samples ``indices``.
+
+    Every rank must run it (it gathers the samples and gradients of all ranks at every step).
+    """
+
+    def __init__(
+        self,
+        indices: Callable[[Any], list[int]],
+        mean_loss: Callable[[pl.LightningModule, list[int]], torch.Tensor],
+    ) -> None:
+        self.indices, self.mean_loss = indices, mean_loss
+        self.steps: list[AuditedStep] = []
+        self._pending: list[int] = []  # the micro-batch started, until its backward has run
+        self._fed: tuple[list[int], list[int]] = ([], [])  # this rank's samples of the window, by half in time
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        run = _simigrad(trainer).run
+        padding = run is not None and run.local_samples == 0  # a zero-weight sample is no sample of the step
+        self._pending = [] if padding else list(self.indices(batch))
+        self._second = run is not None and run.window is not None and run.micro >= run.window.half_split()
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._fed[self._second].extend(self._pending)  # a skipped micro-batch has no backward: not a sample
+        self._pending = []
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        world = trainer.world_size
+        mine = [*self._fed[0], *self._fed[1]]
+        per_rank, grads = [mine], flat_grad(pl_module)
+        gathered = [grads]
+        if world > 1:
+            per_rank = [[] for _ in range(world)]
+            dist.all_gather_object(per_rank, mine)
+            gathered = [torch.empty_like(grads) for _ in range(world)]
+            dist.all_gather(gathered, grads)
+            group_a = [i for r in per_rank[: world // 2] for i in r]  # group A: the first floor(W / 2) ranks
+            halves = (group_a, [i for r in per_rank[world // 2 :] for i in r])
+        else:
+            halves = (list(self._fed[0]), list(self._fed[1]))
+        self._fed = ([], [])
+        reference = self._gradient(pl_module, [i for r in per_rank for i in r])
+        similarity = math.nan
+        if halves[0] and halves[1]:
+            g_a, g_b = self._gradient(pl_module, halves[0]), self._gradient(pl_module, halves[1])
+            similarity = float(g_a @ g_b / (g_a.norm() * g_b.norm()))
+        self.steps.append(
+            AuditedStep(
+                per_rank=per_rank,
+                halves=halves,
+                grad_rel_error=float((grads - reference).norm() / reference.norm()),
+                ranks_identical=all(torch.equal(g, gathered[0]) for g in gathered),
+                similarity=similarity,
+            )
+        )
+
+    def _gradient(self, pl_module: pl.LightningModule, indices: list[int]) -> torch.Tensor:
+        model = copy.deepcopy(pl_module)
+        model.zero_grad()
+        self.mean_loss(model, indices).backward()
+        return flat_grad(model)
+
+
+def _simigrad(trainer: pl.Trainer) -> Any:
+    from lightning_simigrad.callback import SimiGrad
+
+    return next(c for c in trainer.callbacks if isinstance(c, SimiGrad))  # type: ignore[attr-defined]
+
+
+def flat_grad(model: nn.Module) -> torch.Tensor:
+    """Every parameter's gradient, flattened into one tensor."""
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+
+
+def run_window(model: nn.Module, micro: list[tuple[torch.Tensor, torch.Tensor]], counts: list[int], world: int) -> None:
+    """Accumulate one window, each loss weighted by W n_micro / N; under DDP ``no_sync`` but the last."""
+    total = sum(counts)
+    for i, (x, y) in enumerate(micro):
+        accumulate = isinstance(model, DistributedDataParallel) and i < len(micro) - 1
+        with model.no_sync() if accumulate else contextlib.nullcontext():  # type: ignore[operator]
+            loss = nn.functional.mse_loss(model(x), y) * (world * x.shape[0] / total)
+            loss.backward()
+
+
+def reference_halves(local_grad: torch.Tensor, counts: list[int], group: Any = None) -> tuple[float, float, float]:
+    """(g_A.g_B, |g_A|^2, |g_B|^2) from every rank's local weighted gradient, gathered and combined in float64."""
+    world = dist.get_world_size(group)
+    gathered = [torch.empty_like(local_grad, dtype=torch.float64) for _ in range(world)]
+    dist.all_gather(gathered, local_grad.to(torch.float64), group=group)
+    size_a, total = world // 2, sum(counts)
+    n_a, n_b = sum(counts[:size_a]), sum(counts[size_a:])
+    g_a = total / (world * n_a) * torch.stack(gathered[:size_a]).sum(0)
+    g_b = total / (world * n_b) * torch.stack(gathered[size_a:]).sum(0)
+    return float(g_a @ g_b), float(g_a @ g_a), float(g_b @ g_b)
+
+
+def relative_error(stats: Any, reference: tuple[float, float, float]) -> float:
+    """The largest relative error of ``stats`` against ``reference`` (the dot relative to |g_A| |g_B|)."""
+    dot, sq_a, sq_b = reference
+    scale = (sq_a * sq_b) ** 0.5
+    return max(abs(stats.dot - dot) / scale, abs(stats.sq_a - sq_a) / sq_a, abs(stats.sq_b - sq_b) / sq_b)
+
+
+class HostSyncs:
+    """Counts host synchronisations: CUDA's sync-debug warnings on a GPU, tensor reads to Python on CPU."""
+
+    NAMES = ("item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__")
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.count = 0
+
+    def __enter__(self) -> HostSyncs:
+        if self.device.type == "cuda":
+            self._caught = warnings.catch_warnings(record=True)
+            self._records = self._caught.__enter__()
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+        else:
+            self._saved = {name: getattr(torch.Tensor, name) for name in self.NAMES}
+            for name, method in self._saved.items():
+                setattr(torch.Tensor, name, self._counting(method))
+        return self
+
+    def _counting(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            self.count += 1
+            return method(tensor, *args, **kwargs)
+
+        return counted
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
+            self.count = sum("synchroniz" in str(r.message) for r in self._records)
+            self._caught.__exit__(*exc)
+        else:
+            for name, method in self._saved.items():
+                setattr(torch.Tensor, name, method)

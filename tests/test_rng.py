@@ -1,0 +1,31 @@
+"""Every rank's random generator states, as the checkpoint keeps them: taken, gathered and restored."""
+
+from __future__ import annotations
+
+import random
+
+import numpy
+import torch
+
+from lightning_simigrad.state.rng import all_ranks_rng_states, rng_state, set_rng_state
+
+
+def draws() -> tuple:
+    return torch.rand(3).tolist(), random.random(), float(numpy.random.rand())
+
+
+def test_restored_states_draw_what_the_saved_ones_drew():
+    torch.manual_seed(1)
+    random.seed(1)
+    numpy.random.seed(1)
+    state = rng_state()
+    first = draws()
+    draws()
+    set_rng_state(state)
+    assert draws() == first
+
+
+def test_one_process_gathers_its_own_state_only():
+    state = rng_state()
+    assert all_ranks_rng_states(state) == [state]
+    assert set(state) >= {"torch", "python", "numpy"} and isinstance(state["torch"], bytes)
