@@ -163,14 +163,15 @@ class SimiGrad(CallbackState):
         trainer = self._trainer
         assert trainer is not None
         order = data_source.training_order(trainer, loader)
+        limits = data_source.limits_of(trainer, self._progress.setting)
         if self.run is None:
             restart = data_source.restart_of(trainer, self._restored) if self._resuming else None
-            limits = data_source.limits_of(trainer, self._progress.setting)
             self.run = data_source.start_run(
                 trainer, self.settings, loader, order, limits, self._seed, restart, self._tuned_from
             )
             self._progress.start(self.run, (self._restored or {}).get("progress", {}))
-        self.run.data = data_source.data_of(loader, order)
+        # as Lightning loads them this time (a reloaded DataLoader, a later fit's Trainer)
+        self.run.data, self.run.limits = data_source.data_of(loader, order), limits
         return data_source.adaptive_loader(loader, order, self.run)
 
     @override
