@@ -529,6 +529,7 @@ class SimiGrad(Callback):
         if micro == 0:
             self._window_rng = rng_state()  # a checkpoint written inside this window resumes from its start
             self._stats, self._fed = None, [0, 0]
+            self._halves.discard()  # a window an epoch's early end abandoned is dropped, as Lightning drops it
             self._progress.start_window(window.total)
         left, exact = self.schedule.current.micro_batches_left()
         self._epoch_progress.update(

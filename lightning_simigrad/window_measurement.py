@@ -54,6 +54,13 @@ class WindowHalvesMeasurement:
                 self._first.append((p, p.grad))
                 p.grad = None
 
+    def discard(self) -> None:
+        """Drop a first half still held: its window was abandoned (an epoch ended inside it), and Lightning drops
+        such a window's gradient, zeroing it as the next window starts."""
+        for _, first in self._first:
+            _read_on_current_stream(first)
+        self._first = []
+
     @torch.no_grad()
     def restore(self) -> None:
         """Add the first half back without measuring (a window Lightning ended early, or teardown)."""
