@@ -14,7 +14,8 @@ user's mean loss weighs every sample of the window by exactly ``1 / N`` (after D
 ``W``), whatever the micro-batch sizes; a rank feeding a zero-weight padding sample divides by ``inf``.
 That divisor is applied where Lightning builds the closure's result (its ``output_result_cls``), and
 ``trainer.accumulate_grad_batches`` reads what users expect of it: the current window's number of
-micro-batches, an int.
+micro-batches, an int. The detached loss handed to callbacks (``outputs["loss"]``) stays undivided: the
+micro-batch's own mean loss, as plain Lightning gives it without accumulation.
 
 The replaced methods are private; ``attach`` checks that they exist and the package pins Lightning's
 minor version.
@@ -109,4 +110,11 @@ class _WindowWeightedResult:
         self._accumulation = accumulation
 
     def from_training_step_output(self, training_step_output: Any, normalize: int = 1) -> ClosureResult:
-        return ClosureResult.from_training_step_output(training_step_output, self._accumulation.loss_divisor)  # type: ignore[arg-type]
+        # built undivided, so that its detached `loss` (what callbacks get as `outputs["loss"]`, and the closure
+        # returns to the optimizer) is the micro-batch's own mean loss, as plain Lightning hands it without
+        # accumulation: the window's weight varies from window to window (a short tail window looks like a spike
+        # to `SpikeDetection`). Only the loss the backward runs on carries the weight.
+        result = ClosureResult.from_training_step_output(training_step_output)
+        if result.closure_loss is not None:
+            result.closure_loss = result.closure_loss / self._accumulation.loss_divisor
+        return result
