@@ -6,7 +6,9 @@ and "zero the gradients now?" with ``batch_idx % accumulate_grad_batches == 0``.
 3 gives 4, 2, 4, ...: the previous window's gradient leaks into the next). So, for the length of a
 fit, :class:`VariableAccumulation` replaces those two decisions on the loop *instances* with ones
 read from the current window plan. Everything that follows from them in Lightning -- DDP's
-``no_sync``, ``global_step``, LR-scheduler stepping, logging cadence -- then follows the windows.
+``no_sync``, ``global_step``, LR-scheduler stepping, logging cadence -- then follows the windows. An
+epoch that runs no backward (``fit_loop._skip_backward``: ``StochasticWeightAveraging``'s BatchNorm
+epoch) accumulates throughout, so nothing steps in it.
 
 Lightning divides each micro-batch's loss by ``trainer.accumulate_grad_batches``. Here the divisor is
 ``N / (W * n)`` for a micro-batch of ``n`` samples in a window of ``N`` samples on ``W`` ranks, so the
@@ -62,10 +64,18 @@ class VariableAccumulation:
             (automatic, "_on_before_zero_grad"),
             (automatic, "_optimizer_zero_grad"),
             (automatic, "output_result_cls"),
+            (epoch_loop, "_should_accumulate"),
         )
         self._trainer = trainer
         self._user_accumulate_grad_batches = trainer.accumulate_grad_batches
         epoch_loop._accumulated_batches_reached = lambda: self.window_end  # type: ignore[method-assign]
+        should_accumulate = epoch_loop._should_accumulate
+        # An epoch that runs no backward has nothing to step. StochasticWeightAveraging's BatchNorm epoch is one: it
+        # makes the epoch a single window (`accumulate_grad_batches = max_batches`) that SimiGrad's windows replace,
+        # and even that one window Lightning steps at the epoch's end, on the gradient the previous step left.
+        epoch_loop._should_accumulate = (  # type: ignore[method-assign]
+            lambda: bool(automatic._skip_backward) or should_accumulate()
+        )
         automatic._make_zero_grad_fn = self._make_zero_grad_fn  # type: ignore[method-assign]
         automatic.output_result_cls = _WindowWeightedResult(self)  # type: ignore[assignment]
 
@@ -76,6 +86,7 @@ class VariableAccumulation:
         epoch_loop = trainer.fit_loop.epoch_loop
         # deleting the instance attributes brings back the class's methods
         epoch_loop.__dict__.pop("_accumulated_batches_reached", None)
+        epoch_loop.__dict__.pop("_should_accumulate", None)
         epoch_loop.automatic_optimization.__dict__.pop("_make_zero_grad_fn", None)
         epoch_loop.automatic_optimization.__dict__.pop("output_result_cls", None)
         trainer.accumulate_grad_batches = self._user_accumulate_grad_batches

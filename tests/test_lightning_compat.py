@@ -724,23 +724,32 @@ class StepsPerEpoch(pl.Callback):
         self.steps[trainer.current_epoch] = self.steps.get(trainer.current_epoch, 0) + 1
 
 
+class ValidatedBatchNorm(BatchNormNet):
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.net(batch[1]).pow(2).mean())
+
+    def val_dataloader(self):
+        return DataLoader(RandomDataset(32, 16), batch_size=8)
+
+
 def test_stochastic_weight_averagings_batchnorm_epoch_takes_no_optimizer_step():
     from lightning.pytorch.callbacks import StochasticWeightAveraging
 
     def run(simigrad: bool):
         pl.seed_everything(0)
-        model = BatchNormNet()
+        model = ValidatedBatchNorm()
         swa = StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=2)
-        steps = StepsPerEpoch()
-        callbacks = [SimiGrad(target_similarity=0.9), swa, steps] if simigrad else [swa, steps]
+        steps, validations = StepsPerEpoch(), ValidationsPerEpoch()
+        callbacks = [swa, steps, validations] + ([SimiGrad(target_similarity=0.9)] if simigrad else [])
         t = trainer(callbacks=callbacks, max_epochs=4)
         t.fit(model, DataLoader(RandomDataset(32, 64), batch_size=8, shuffle=True))
-        return model, swa, steps.steps
+        return model, swa, steps.steps, validations.per_epoch
 
-    _, _, plain_steps = run(simigrad=False)
+    _, _, plain_steps, plain_validations = run(simigrad=False)
     assert sorted(plain_steps) == [0, 1, 2, 3, 4]  # SWA adds a fifth epoch, for BatchNorm's statistics
-    model, swa, steps = run(simigrad=True)
-    assert 4 not in steps  # that epoch ran no backward: nothing to step
+    model, swa, steps, validations = run(simigrad=True)
+    assert sorted(steps) == [0, 1, 2, 3]  # the fifth ran no backward: nothing to step
+    assert validations == plain_validations == {epoch: 1 for epoch in range(5)}  # validated after it, too
     # the model holds the averaged weights SWA transferred, untouched ...
     for p, averaged in zip(model.parameters(), swa._average_model.parameters()):
         torch.testing.assert_close(p.detach(), averaged.detach(), rtol=0, atol=0)
