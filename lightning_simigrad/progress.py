@@ -8,8 +8,8 @@ a fit, and restores them after:
   trains they are brought to the B0-step in its middle, so a step of :math:`k B_0` samples applies the
   schedule's value halfway through the :math:`k` fixed-batch steps it stands for;
 - ``_should_check_val_fx``: validation after the samples of ``val_check_interval``, only ever between
-  optimizer steps (time-based intervals, stops and an epoch without optimizer steps keep Lightning's own
-  rule);
+  optimizer steps (time-based intervals, a stop the fit loop carries out and an epoch without optimizer
+  steps keep Lightning's own rule; a stop that ``min_epochs``/``min_steps`` hold back keeps the cadence);
 - ``setup_data``: Lightning loads the training data without ``limit_train_batches`` and without a
   fractional ``val_check_interval`` (both of which it would refuse or apply in micro-batches for a loader
   without a length); the sampler serves them in samples;
@@ -237,7 +237,8 @@ class SampleProgress:
         if (
             not self.active
             or epoch_loop.restarting
-            or trainer.should_stop
+            # a stop the fit loop will carry out (not one `min_epochs`/`min_steps` hold back): Lightning validates there
+            or (trainer.should_stop and trainer.fit_loop._can_stop_early)
             # an epoch without optimizer steps (StochasticWeightAveraging's BatchNorm epoch): Lightning's own rule
             or epoch_loop.automatic_optimization._skip_backward
             or getattr(trainer, "_val_check_time_interval", None) is not None
