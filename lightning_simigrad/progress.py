@@ -4,7 +4,8 @@ r"""Lightning's step-based settings, served in samples (see :mod:`lightning_simi
 a fit, and restores them after:
 
 - ``_update_learning_rates``: step-interval LR schedulers (not plateau ones) are stepped until they have
-  taken as many steps as B0-steps of samples were trained (``frequency`` counts B0-steps); before a window
+  taken as many steps as B0-steps of samples were trained (``frequency`` counts B0-steps within each epoch,
+  as Lightning counts batches within each epoch); before a window
   trains they are brought to the B0-step in its middle, so a step of :math:`k B_0` samples applies the
   schedule's value halfway through the :math:`k` fixed-batch steps it stands for;
 - ``_should_check_val_fx``: validation after the samples of ``val_check_interval``, only ever between
@@ -206,10 +207,12 @@ class SampleProgress:
         return None
 
     def _advance_schedulers(self, done: int) -> None:
-        """Step every step-interval scheduler until it has taken ``done // frequency`` steps in this fit."""
+        """Step every step-interval scheduler until it has taken the steps due after ``done`` B0-steps: ``frequency``
+        counts B0-steps within each epoch, as Lightning counts batches (:meth:`FitLength.scheduler_steps`)."""
         trainer = self._trainer
+        length = self._length()
         assert trainer is not None
-        if not trainer.lr_scheduler_configs or not trainer.lightning_module.automatic_optimization:
+        if not trainer.lr_scheduler_configs or not trainer.lightning_module.automatic_optimization or length is None:
             return
         configs = trainer.lr_scheduler_configs
         if len(self.scheduler_steps) < len(configs):
@@ -219,10 +222,9 @@ class SampleProgress:
             if config.interval != "step" or config.reduce_on_plateau:
                 continue
             if self._continue_restored:
-                self.scheduler_steps[index] = done // config.frequency
+                self.scheduler_steps[index] = length.scheduler_steps(done, config.frequency)
                 continue
-            # `frequency` counts B0-steps, as it counted steps of the fixed batch
-            due = done // config.frequency - self.scheduler_steps[index]
+            due = length.scheduler_steps(done, config.frequency) - self.scheduler_steps[index]
             for _ in range(max(due, 0)):
                 progress.increment_ready()
                 call._call_lightning_module_hook(trainer, "lr_scheduler_step", config.scheduler, None)
