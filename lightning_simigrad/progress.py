@@ -9,8 +9,9 @@ a fit, and restores them after:
   trains they are brought to the B0-step in its middle, so a step of :math:`k B_0` samples applies the
   schedule's value halfway through the :math:`k` fixed-batch steps it stands for;
 - ``_should_check_val_fx``: validation after the samples of ``val_check_interval``, only ever between
-  optimizer steps (time-based intervals, a stop the fit loop carries out and an epoch without optimizer
-  steps keep Lightning's own rule; a stop that ``min_epochs``/``min_steps`` hold back keeps the cadence);
+  optimizer steps (a time-based interval is Lightning's rule, asked after each step; a stop the fit loop
+  carries out and an epoch without optimizer steps keep Lightning's own rule; a stop that
+  ``min_epochs``/``min_steps`` hold back keeps the cadence);
 - ``setup_data``: Lightning loads the training data without ``limit_train_batches`` and without a
   fractional ``val_check_interval`` (both of which it would refuse or apply in micro-batches for a loader
   without a length); the sampler serves them in samples;
@@ -111,8 +112,9 @@ class SampleProgress:
 
     # ------------------------------------------------------------------------------ readings
     def setting(self, name: str) -> Any:
-        """The user's ``trainer.<name>``, also while Lightning loads the training data without it."""
-        return self._hidden[name] if name in self._hidden else getattr(self._trainer, name)
+        """The user's ``trainer.<name>``, also while Lightning loads the training data without it (None: the Trainer
+        has no such attribute, as ``val_check_interval`` when it is a time)."""
+        return self._hidden[name] if name in self._hidden else getattr(self._trainer, name, None)
 
     def stepping_batches(self) -> float:
         """``trainer.estimated_stepping_batches``: the fit's length in B0-steps."""
@@ -160,11 +162,13 @@ class SampleProgress:
         # micro-batches (`limit_train_batches`) nor refuse a fraction of a loader without a length
         # (`limit_train_batches`, `val_check_interval`): it loads the data as if unlimited, and the
         # limits are served in samples. Its own reading of both is restored at once.
-        self._hidden = {"val_check_interval": trainer.val_check_interval}
+        self._hidden = {}
         if trainer.limit_train_batches != 0:
             self._hidden["limit_train_batches"] = trainer.limit_train_batches
             trainer.limit_train_batches = 1.0
-        if isinstance(trainer.val_check_interval, float):
+        # (a time-based `val_check_interval` leaves the Trainer without the attribute: nothing to hide)
+        if isinstance(getattr(trainer, "val_check_interval", None), float):
+            self._hidden["val_check_interval"] = trainer.val_check_interval
             trainer.val_check_interval = 1.0
         try:
             self._originals["setup_data"]()
@@ -236,6 +240,7 @@ class SampleProgress:
         trainer = self._trainer
         assert trainer is not None
         epoch_loop = trainer.fit_loop.epoch_loop
+        span, self._last_step_span = self._last_step_span, None
         if (
             not self.active
             or epoch_loop.restarting
@@ -243,13 +248,14 @@ class SampleProgress:
             or (trainer.should_stop and trainer.fit_loop._can_stop_early)
             # an epoch without optimizer steps (StochasticWeightAveraging's BatchNorm epoch): Lightning's own rule
             or epoch_loop.automatic_optimization._skip_backward
-            or getattr(trainer, "_val_check_time_interval", None) is not None
             or not epoch_loop._should_check_val_epoch()
         ):
             return bool(self._originals["_should_check_val_fx"](data_fetcher))
-        span, self._last_step_span = self._last_step_span, None
         if span is None:
             return False  # validation only ever follows an optimizer step, never splits a window
+        if getattr(trainer, "_val_check_time_interval", None) is not None:
+            # a time interval: Lightning's rule, asked once a step has ended, as a fixed batch asks it between steps
+            return bool(self._originals["_should_check_val_fx"](data_fetcher))
         interval = self._validation_interval()
         if interval is None:
             return bool(epoch_loop.batch_progress.is_last_batch)

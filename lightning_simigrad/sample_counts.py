@@ -64,12 +64,13 @@ def validation_interval(
     epoch_samples: int,
     batch_size: int,
     world_size: int,
-    val_check_interval: int | float,
+    val_check_interval: int | float | None,
     check_val_every_n_epoch: int | None,
 ) -> tuple[int, bool] | None:
     """``val_check_interval`` in samples, and whether it counts within each epoch (True) or over the fit.
 
-    None: validate at each epoch's end. Raises ``ValueError`` for an int interval longer than the epoch
+    None: validate at each epoch's end, or, for ``val_check_interval=None`` (a time-based interval, which
+    Lightning keeps apart), by Lightning's rule for times. Raises ``ValueError`` for an int interval longer than the epoch
     where Lightning counts it within the epoch (validation would never run; Lightning refuses it too).
 
     >>> validation_interval(1000, 16, 2, 10, 1), validation_interval(1000, 16, 2, 0.25, 1)
@@ -77,6 +78,8 @@ def validation_interval(
     >>> validation_interval(1000, 16, 2, 100, None), validation_interval(1000, 16, 2, 1.0, 1)
     ((3200, False), None)
     """
+    if val_check_interval is None:
+        return None
     if isinstance(val_check_interval, float):
         return None if val_check_interval == 1.0 else (max(1, int(epoch_samples * val_check_interval)), True)
     if check_val_every_n_epoch is not None:

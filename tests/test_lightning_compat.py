@@ -837,3 +837,20 @@ def test_validation_keeps_its_cadence_while_min_epochs_or_min_steps_hold_an_earl
     validations = run(simigrad=True)
     assert validations.per_epoch == plain.per_epoch
     assert validations.inside_a_window == 0
+
+
+def test_a_time_based_validation_interval_validates_between_steps():
+    def run(simigrad: bool):
+        pl.seed_everything(0)
+        validations, steps = ValidationsPerEpoch(), StepsPerEpoch()
+        callbacks = [SimiGrad(target_similarity=0.9), validations, steps] if simigrad else [validations, steps]
+        # an interval that has always elapsed: Lightning validates at every check
+        t = trainer(callbacks=callbacks, max_epochs=2, val_check_interval=timedelta(microseconds=1))
+        t.fit(LitClassifier(), datamodule=ImagesDataModule(n=256, batch_size=16))
+        return validations, steps.steps
+
+    plain, plain_steps = run(simigrad=False)
+    assert plain.per_epoch == plain_steps == {0: 14, 1: 14}  # after every step (each batch steps)
+    validations, steps = run(simigrad=True)
+    assert validations.inside_a_window == 0
+    assert validations.per_epoch == steps  # after every step, never inside a window
