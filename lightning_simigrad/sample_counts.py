@@ -70,8 +70,9 @@ def validation_interval(
     """``val_check_interval`` in samples, and whether it counts within each epoch (True) or over the fit.
 
     None: validate at each epoch's end, or, for ``val_check_interval=None`` (a time-based interval, which
-    Lightning keeps apart), by Lightning's rule for times. Raises ``ValueError`` for an int interval longer than the epoch
-    where Lightning counts it within the epoch (validation would never run; Lightning refuses it too).
+    Lightning keeps apart), by Lightning's rule for times. Raises ``ValueError`` for an int interval longer
+    than the epoch where Lightning counts it within the epoch (validation would never run; Lightning refuses
+    it too).
 
     >>> validation_interval(1000, 16, 2, 10, 1), validation_interval(1000, 16, 2, 0.25, 1)
     ((320, True), (250, True))
