@@ -604,7 +604,7 @@ class SimiGrad(Callback):
                 self.schedule.batch_size = next_size
         self._record(trainer, pl_module, fed, stats, window)
         if self._samples_left() <= 0:
-            trainer.should_stop = True  # `max_samples` (or `max_steps` in B0-steps) reached exactly
+            self._progress.end_fit()  # `max_samples` (or `max_steps` in B0-steps) reached exactly
 
     def _lr_factor(self, samples: int) -> float:
         return lr_factor(samples, self._b0, self.lr_scaling, self.lr_scaling_blend)

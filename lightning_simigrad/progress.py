@@ -71,6 +71,7 @@ class SampleProgress:
         self._trainer: pl.Trainer | None = None
         self._originals: dict[str, Any] = {}
         self._hidden: dict[str, Any] = {}  # the user's settings, while Lightning loads the data without them
+        self._min_bounds: tuple[Any, Any] | None = None  # the user's (min_epochs, min_steps), lifted by `end_fit`
 
     # ------------------------------------------------------------------------------ wiring
     def attach(self, trainer: pl.Trainer) -> None:
@@ -103,6 +104,9 @@ class SampleProgress:
         trainer = self._trainer
         if trainer is None:
             return
+        if self._min_bounds is not None:
+            trainer.fit_loop.min_epochs, trainer.fit_loop.epoch_loop.min_steps = self._min_bounds
+            self._min_bounds = None
         trainer.fit_loop.epoch_loop.__dict__.pop("_update_learning_rates", None)
         trainer.fit_loop.epoch_loop.__dict__.pop("_should_check_val_fx", None)
         trainer.fit_loop.epoch_loop.__dict__.pop("reset", None)
@@ -135,6 +139,20 @@ class SampleProgress:
         epoch, epoch_done, seen = self._counters()
         at_end = bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
         return length.steps_done(epoch, epoch_done, seen, at_epoch_end=at_end)
+
+    def end_fit(self) -> None:
+        """The fit's sample budget (``max_steps`` in B0-steps, or ``max_samples``) is spent: stop after this step.
+
+        Lightning's own ``max_steps`` ends a fit whatever ``min_epochs``/``min_steps`` say, while they hold back a
+        ``should_stop``; so they are lifted for the rest of the fit (and restored in :meth:`detach`).
+        """
+        trainer = self._trainer
+        assert trainer is not None
+        trainer.should_stop = True
+        fit_loop = trainer.fit_loop
+        if self._min_bounds is None:
+            self._min_bounds = (fit_loop.min_epochs, fit_loop.epoch_loop.min_steps)
+        fit_loop.min_epochs, fit_loop.epoch_loop.min_steps = 0, None
 
     def record_step(self, epoch_done_before: int, epoch_done_after: int, total_before: int, total_after: int) -> None:
         """The samples an optimizer step just added (read by the validation cadence)."""

@@ -854,3 +854,21 @@ def test_a_time_based_validation_interval_validates_between_steps():
     validations, steps = run(simigrad=True)
     assert validations.inside_a_window == 0
     assert validations.per_epoch == steps  # after every step, never inside a window
+
+
+@pytest.mark.parametrize("hold", [dict(min_epochs=4), dict(min_steps=10**6)])
+def test_max_steps_ends_the_fit_whatever_min_epochs_or_min_steps_say(hold):
+    # Lightning's `max_steps` ends a fit even where `min_epochs`/`min_steps` would hold it; SimiGrad counts it in
+    # steps of B0 = 8 samples and ends the fit with `should_stop`, which those bounds used to hold back
+    pl.seed_everything(0)
+    plain = trainer(max_steps=20, max_epochs=6, **hold)
+    plain.fit(BoringModel(), DataLoader(RandomDataset(32, 128), batch_size=8, shuffle=True))
+    assert plain.global_step == 20  # 160 samples: into the second epoch
+    cb = SimiGrad(target_similarity=0.95)
+    t, model, audit = fit_boring(cb, max_steps=20, max_epochs=6, **hold)
+    assert cb.samples_seen == 20 * 8 == sum(map(len, model.micro_batches))
+    assert t.current_epoch == plain.current_epoch and max(audit.errors) < 1e-5
+    cb = SimiGrad(target_similarity=0.95, max_samples=200)
+    t, model, audit = fit_boring(cb, max_epochs=6, **hold)
+    assert cb.samples_seen == 200 == sum(map(len, model.micro_batches))
+    assert (t.fit_loop.min_epochs, t.min_steps) == (plain.fit_loop.min_epochs, plain.min_steps)  # restored
