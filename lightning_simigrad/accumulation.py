@@ -54,6 +54,7 @@ class VariableAccumulation:
         self.loss_divisor = 1.0
         self._trainer: pl.Trainer | None = None
         self._user_accumulate_grad_batches: Any = 1
+        self._set_length: Any = 1  # what `trainer.accumulate_grad_batches` was last set to here (or the user's)
 
     def attach(self, trainer: pl.Trainer) -> None:
         epoch_loop = trainer.fit_loop.epoch_loop
@@ -67,7 +68,7 @@ class VariableAccumulation:
             (epoch_loop, "_should_accumulate"),
         )
         self._trainer = trainer
-        self._user_accumulate_grad_batches = trainer.accumulate_grad_batches
+        self._user_accumulate_grad_batches = self._set_length = trainer.accumulate_grad_batches
         epoch_loop._accumulated_batches_reached = lambda: self.window_end  # type: ignore[method-assign]
         should_accumulate = epoch_loop._should_accumulate
         # An epoch that runs no backward has nothing to step. StochasticWeightAveraging's BatchNorm epoch is one: it
@@ -94,12 +95,28 @@ class VariableAccumulation:
 
     def set_micro_batch(self, start: bool, end: bool, loss_divisor: float, window_length: int) -> None:
         """Declare the micro-batch about to run: first/last of its window, its loss divisor and the
-        window's number of micro-batches."""
-        assert self._trainer is not None
+        window's number of micro-batches.
+
+        Raises:
+            RuntimeError: when something else (a callback's own accumulation schedule) changed
+                ``trainer.accumulate_grad_batches`` since: SimiGrad would silently override it. An epoch without
+                backward (StochasticWeightAveraging's BatchNorm epoch, which sets it) is served.
+        """
+        trainer = self._trainer
+        assert trainer is not None
+        value = trainer.accumulate_grad_batches
+        if value != self._set_length and not trainer.fit_loop.epoch_loop.automatic_optimization._skip_backward:
+            raise RuntimeError(
+                f"`trainer.accumulate_grad_batches` was set to {value!r} during the fit (epoch"
+                f" {trainer.current_epoch}), by a callback or the LightningModule; SimiGrad sets every window's"
+                " accumulation itself and would override it. Remove what sets it (SimiGrad accumulates as many"
+                " micro-batches as a window needs; bound a micro-batch's memory with `max_micro_batch_size`)."
+            )
+        self._set_length = window_length
         self.window_start = start
         self.window_end = end
         self.loss_divisor = loss_divisor
-        self._trainer.accumulate_grad_batches = window_length
+        trainer.accumulate_grad_batches = window_length
 
     def _make_zero_grad_fn(self, batch_idx: int, optimizer: Optimizer) -> Callable[[], None] | None:
         assert self._trainer is not None

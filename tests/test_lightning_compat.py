@@ -872,3 +872,19 @@ def test_max_steps_ends_the_fit_whatever_min_epochs_or_min_steps_say(hold):
     t, model, audit = fit_boring(cb, max_epochs=6, **hold)
     assert cb.samples_seen == 200 == sum(map(len, model.micro_batches))
     assert (t.fit_loop.min_epochs, t.min_steps) == (plain.fit_loop.min_epochs, plain.min_steps)  # restored
+
+
+class AccumulationSchedule(pl.Callback):
+    """A hand-written accumulation schedule, as users write before they find GradientAccumulationScheduler."""
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        trainer.accumulate_grad_batches = 2 if trainer.current_epoch == 0 else 4
+
+
+def test_a_callback_that_sets_accumulate_grad_batches_is_refused_before_the_first_step():
+    # SimiGrad sets every window's accumulation: it would silently override the callback's
+    model = BoringModel()
+    t = trainer(callbacks=[SimiGrad(target_similarity=0.9), AccumulationSchedule()], max_epochs=2)
+    with pytest.raises(RuntimeError, match=r"`trainer.accumulate_grad_batches` was set to 2 .*Remove what sets it"):
+        t.fit(model)
+    assert model.micro_batches == [] and t.global_step == 0
