@@ -888,3 +888,19 @@ def test_a_callback_that_sets_accumulate_grad_batches_is_refused_before_the_firs
     with pytest.raises(RuntimeError, match=r"`trainer.accumulate_grad_batches` was set to 2 .*Remove what sets it"):
         t.fit(model)
     assert model.micro_batches == [] and t.global_step == 0
+
+
+def test_a_frequency_scheduler_resumed_from_a_plain_lightning_checkpoint_keeps_counting_per_epoch(tmp_path):
+    data = DataLoader(RandomDataset(32, 100), batch_size=8, shuffle=True)  # 13 batches an epoch
+    pl.seed_everything(0)
+    whole_lrs = AppliedLRs()
+    trainer(callbacks=[whole_lrs], max_epochs=3).fit(FrequencyTwo(), data)
+    pl.seed_everything(0)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    part = trainer(callbacks=[checkpoint], max_epochs=2, enable_checkpointing=True)
+    part.fit(FrequencyTwo(), data)  # written without SimiGrad: 12 scheduler steps in two epochs
+    cb, lrs = SimiGrad(target_similarity=0.95, lr_scaling="none"), AppliedLRs()
+    resumed = trainer(callbacks=[cb, lrs], max_epochs=3)
+    resumed.fit(FrequencyTwo(), data, ckpt_path=tmp_path / "last.ckpt")
+    assert resumed.lr_scheduler_configs[0].scheduler.last_epoch == 3 * (13 // 2)
+    assert lrs.at_epoch_end == pytest.approx(whole_lrs.at_epoch_end[-1:], rel=1e-12)
