@@ -234,7 +234,7 @@ class SimiGrad(CallbackState):
         row = self.reporting.record(step, run, self._lr.applied_lr(), self._progress.steps_done())
         self.reporting.publish(trainer, row, step.index)
         if run.done:
-            trainer.should_stop = True  # `max_samples` (or `max_steps` in B0-steps) reached exactly
+            self._progress.end_fit()  # `max_samples` (or `max_steps` in B0-steps) reached exactly: stop
 
     def _postfix(self) -> dict[str, str] | None:
         return self.reporting.postfix(self.run) if self.run is not None else None

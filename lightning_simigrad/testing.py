@@ -69,7 +69,8 @@ class StepAudit(pl.Callback):
         self._fed: tuple[list[int], list[int]] = ([], [])  # this rank's samples of the window, by half in time
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
-        run = _simigrad(trainer).run
+        simigrad = _simigrad(trainer)
+        run = simigrad.run if simigrad is not None else None  # (also audits a plain Lightning fit)
         padding = run is not None and run.local_samples == 0  # a zero-weight sample is no sample of the step
         self._pending = [] if padding else list(self.indices(batch))
         self._second = run is not None and run.window is not None and run.micro >= run.window.half_split()
@@ -77,6 +78,9 @@ class StepAudit(pl.Callback):
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._fed[self._second].extend(self._pending)  # a skipped micro-batch has no backward: not a sample
         self._pending = []
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._fed = ([], [])  # a window abandoned at the epoch's end is dropped, as Lightning drops its gradient
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         world = trainer.world_size
@@ -118,7 +122,7 @@ class StepAudit(pl.Callback):
 def _simigrad(trainer: pl.Trainer) -> Any:
     from lightning_simigrad.callback import SimiGrad
 
-    return next(c for c in trainer.callbacks if isinstance(c, SimiGrad))  # type: ignore[attr-defined]
+    return next((c for c in trainer.callbacks if isinstance(c, SimiGrad)), None)  # type: ignore[attr-defined]
 
 
 def flat_grad(model: nn.Module) -> torch.Tensor:

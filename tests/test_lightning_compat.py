@@ -59,12 +59,12 @@ def boring_loss(dataset: RandomDataset):
     return lambda model, indices: model.loss(dataset.data[indices])
 
 
-def fit_boring(cb: SimiGrad, model=None, dataset_length=128, batch_size=8, **trainer_kwargs):
+def fit_boring(cb: SimiGrad, model=None, dataset_length=128, batch_size=8, extra_callbacks=(), **trainer_kwargs):
     pl.seed_everything(0)
     dataset = RandomDataset(32, dataset_length)
     audit = GradientAudit(boring_loss(dataset))
     model = model or BoringModel()
-    t = trainer(callbacks=[cb, audit], **trainer_kwargs)
+    t = trainer(callbacks=[cb, audit, *extra_callbacks], **trainer_kwargs)
     t.fit(model, DataLoader(dataset, batch_size=batch_size, shuffle=True))
     return t, model, audit
 
@@ -594,3 +594,300 @@ def test_sanity_validation_and_every_other_epoch_validation():
     # two sanity batches of 16, then the whole validation set after epochs 2 and 4
     assert len(model.validated) == 2 * 16 + 2 * len(datamodule.val_set)
     assert cb.samples_seen == 4 * len(datamodule.train_set)
+
+
+# ----- round 2: paths where SimiGrad changed what Lightning does (issue 17) -----
+# Each test runs the user's setup once as plain Lightning (a fixed batch) and once with SimiGrad, and asserts
+# that SimiGrad keeps what Lightning does: counts, gradients, learning rates, validations per epoch.
+class AbandonsTheEpoch(BoringModel):
+    """Ends epoch 0 at micro-batch ``at`` in one of the ways Lightning ends an epoch early."""
+
+    def __init__(self, how: str, at: int) -> None:
+        super().__init__()
+        self.how, self.at = how, at
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if self.how == "return -1" and self.current_epoch == 0 and batch_idx == self.at:
+            return -1  # Lightning's documented "skip the rest of the epoch"
+        return None
+
+    def training_step(self, batch, batch_idx):
+        if self.how == "StopIteration in training_step" and self.current_epoch == 0 and batch_idx == self.at:
+            raise StopIteration  # e.g. `next()` on an exhausted iterator of the user's own
+        return super().training_step(batch, batch_idx)
+
+
+class StopIterationAfterBatch(pl.Callback):
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.current_epoch == 0 and batch_idx == self.at:
+            raise StopIteration
+
+
+@pytest.mark.parametrize(
+    "how,at",
+    [
+        ("return -1", 7),  # the last micro-batch of the second window of 4: its first half is set aside
+        ("StopIteration in training_step", 7),
+        ("StopIteration in a callback", 6),  # after the backward of the second half's first micro-batch
+    ],
+)
+def test_a_window_abandoned_at_the_epochs_end_is_dropped_as_lightning_drops_it(how, at):
+    def run(simigrad: bool):
+        pl.seed_everything(0)
+        dataset = RandomDataset(32, 128)
+        model = AbandonsTheEpoch(how, at)
+        audit = GradientAudit(boring_loss(dataset))  # forgets a window abandoned at an epoch's end, as Lightning
+        callbacks = [audit] + ([StopIterationAfterBatch(at)] if how == "StopIteration in a callback" else [])
+        if simigrad:
+            cb = SimiGrad(target_similarity=0.95, initial_batch_size=32, adjust=False, lr_scaling="none")
+            t = trainer(callbacks=[cb, *callbacks], max_epochs=2)
+        else:
+            t = trainer(callbacks=callbacks, max_epochs=2, accumulate_grad_batches=4)
+        t.fit(model, DataLoader(dataset, batch_size=8, shuffle=True))
+        return t, audit
+
+    plain, plain_audit = run(simigrad=False)
+    t, audit = run(simigrad=True)
+    assert t.global_step == plain.global_step == 1 + 4  # the abandoned window never stepped
+    assert [len(s) for s in audit.samples] == [len(s) for s in plain_audit.samples] == [32] * 5
+    assert max(plain_audit.errors) < 1e-5
+    # the next epoch's first step is the mean over its own samples: nothing of the abandoned window leaks in
+    assert max(audit.errors) < 1e-5
+
+
+class LossRecording(BoringModel):
+    def __init__(self) -> None:
+        super().__init__()
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        out = super().training_step(batch, batch_idx)
+        self.losses.append(float(out["loss"]))
+        return out
+
+
+class OutputsLoss(pl.Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+
+
+def test_outputs_loss_is_the_micro_batchs_own_mean_loss():
+    probe = OutputsLoss()
+    cb = SimiGrad(target_similarity=0.95, max_micro_batch_size=8)
+    t, model, audit = fit_boring(cb, model=LossRecording(), max_epochs=3, extra_callbacks=[probe])
+    assert len({int(h["accumulation"]) for h in cb.history}) > 1  # windows of several lengths
+    # what plain Lightning hands callbacks without accumulation: the loss training_step returned
+    assert probe.losses == pytest.approx(model.losses, rel=1e-6)
+    assert max(audit.errors) < 1e-5  # while the backward still weighs every sample of a step by 1 / batch size
+
+
+def test_spike_detection_sees_no_spike_on_a_smooth_run(tmp_path):
+    from lightning.pytorch.callbacks.spike import SpikeDetection
+
+    def run(simigrad: bool):
+        pl.seed_everything(0)
+        datamodule = ImagesDataModule(n=256, batch_size=16)
+        spikes = SpikeDetection(exclude_batches_path=tmp_path / f"skip{simigrad}.json")
+        callbacks = [SimiGrad(target_similarity=0.9), spikes] if simigrad else [spikes]
+        t = trainer(callbacks=callbacks, max_epochs=4)
+        t.fit(LitClassifier(), datamodule=datamodule)
+        return t
+
+    assert run(simigrad=False).current_epoch == 4
+    assert run(simigrad=True).current_epoch == 4  # no TrainingSpikeException
+
+
+class StepsPerEpoch(pl.Callback):
+    def __init__(self) -> None:
+        self.steps: dict[int, int] = {}
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.steps[trainer.current_epoch] = self.steps.get(trainer.current_epoch, 0) + 1
+
+
+class ValidatedBatchNorm(BatchNormNet):
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.net(batch[1]).pow(2).mean())
+
+    def val_dataloader(self):
+        return DataLoader(RandomDataset(32, 16), batch_size=8)
+
+
+def test_stochastic_weight_averagings_batchnorm_epoch_takes_no_optimizer_step():
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    def run(simigrad: bool):
+        pl.seed_everything(0)
+        model = ValidatedBatchNorm()
+        swa = StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=2)
+        steps, validations = StepsPerEpoch(), ValidationsPerEpoch()
+        callbacks = [swa, steps, validations] + ([SimiGrad(target_similarity=0.9)] if simigrad else [])
+        t = trainer(callbacks=callbacks, max_epochs=4)
+        t.fit(model, DataLoader(RandomDataset(32, 64), batch_size=8, shuffle=True))
+        return model, swa, steps.steps, validations.per_epoch
+
+    _, _, plain_steps, plain_validations = run(simigrad=False)
+    assert sorted(plain_steps) == [0, 1, 2, 3, 4]  # SWA adds a fifth epoch, for BatchNorm's statistics
+    model, swa, steps, validations = run(simigrad=True)
+    assert sorted(steps) == [0, 1, 2, 3]  # the fifth ran no backward: nothing to step
+    assert validations == plain_validations == {epoch: 1 for epoch in range(5)}  # validated after it, too
+    # the model holds the averaged weights SWA transferred, untouched ...
+    for p, averaged in zip(model.parameters(), swa._average_model.parameters()):
+        torch.testing.assert_close(p.detach(), averaged.detach(), rtol=0, atol=0)
+    # ... and BatchNorm's statistics are the plain average over the epoch's micro-batches, at those weights
+    bn = model.net[1]
+    data = RandomDataset(32, 64).data
+    last_epoch = model.micro_batches[-int(bn.num_batches_tracked) :]
+    assert sorted(i for m in last_epoch for i in m) == list(range(64))
+    with torch.no_grad():
+        means = torch.stack([model.net[0](data[m]).mean(0) for m in last_epoch]).mean(0)
+    torch.testing.assert_close(bn.running_mean, means)
+
+
+class FrequencyTwo(BoringModel):
+    """A step-interval scheduler stepped every second batch (Lightning counts the batches within each epoch)."""
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.layer.parameters(), lr=0.1)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 2}}
+
+
+class AppliedLRs(pl.Callback):
+    def __init__(self) -> None:
+        self.lrs: list[float] = []
+        self.at_epoch_end: list[float] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.lrs.append(optimizer.param_groups[0]["lr"])
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.at_epoch_end.append(trainer.lr_scheduler_configs[0].scheduler.get_last_lr()[0])
+
+
+@pytest.mark.parametrize("adjust", [False, True])
+def test_a_step_scheduler_with_a_frequency_counts_its_batches_within_each_epoch(adjust):
+    def run(cb):
+        pl.seed_everything(0)
+        lrs = AppliedLRs()
+        t = trainer(callbacks=[cb, lrs] if cb else [lrs], max_epochs=3)
+        t.fit(FrequencyTwo(), DataLoader(RandomDataset(32, 100), batch_size=8, shuffle=True))  # 13 batches
+        return t, lrs
+
+    plain, plain_lrs = run(None)
+    assert plain.lr_scheduler_configs[0].scheduler.last_epoch == 3 * (13 // 2)
+    cb = SimiGrad(target_similarity=0.95, adjust=adjust, lr_scaling="none")
+    t, lrs = run(cb)
+    assert t.lr_scheduler_configs[0].scheduler.last_epoch == 3 * (13 // 2)
+    assert lrs.at_epoch_end == pytest.approx(plain_lrs.at_epoch_end, rel=1e-12)
+    if not adjust:  # every step is a step of B0 = 8 samples: the learning rates step for step
+        assert [int(h["batch_size"]) for h in cb.history] == ([8] * 12 + [4]) * 3
+        assert [h["lr"] for h in cb.history] == pytest.approx(plain_lrs.lrs, rel=1e-12)
+
+
+class ValidationsPerEpoch(pl.Callback):
+    def __init__(self) -> None:
+        self.per_epoch: dict[int, int] = {}
+        self.inside_a_window = 0
+
+    def on_validation_start(self, trainer, pl_module):
+        if trainer.sanity_checking:
+            return
+        self.per_epoch[trainer.current_epoch] = self.per_epoch.get(trainer.current_epoch, 0) + 1
+        cb = next((c for c in trainer.callbacks if isinstance(c, SimiGrad)), None)
+        if cb is not None and cb.schedule.current.inside_window:
+            self.inside_a_window += 1
+
+
+@pytest.mark.parametrize("interval", [0.5, 4])
+@pytest.mark.parametrize("hold", [dict(min_epochs=3), dict(min_steps=10**6)])
+def test_validation_keeps_its_cadence_while_min_epochs_or_min_steps_hold_an_early_stop(interval, hold):
+    def run(simigrad: bool):
+        pl.seed_everything(0)
+        datamodule = ImagesDataModule(n=256, batch_size=16)  # 224 training samples: 14 batches
+        stop = EarlyStopping(monitor="val_loss", patience=0, min_delta=10.0)  # asks to stop at the second check
+        validations = ValidationsPerEpoch()
+        callbacks = [SimiGrad(target_similarity=0.9), stop, validations] if simigrad else [stop, validations]
+        t = trainer(callbacks=callbacks, max_epochs=3, val_check_interval=interval, **hold)
+        t.fit(LitClassifier(), datamodule=datamodule)
+        assert t.should_stop
+        return validations
+
+    plain = run(simigrad=False)
+    assert plain.per_epoch == ({0: 2, 1: 2, 2: 2} if interval == 0.5 else {0: 3, 1: 3, 2: 3})
+    validations = run(simigrad=True)
+    assert validations.per_epoch == plain.per_epoch
+    assert validations.inside_a_window == 0
+
+
+def test_a_time_based_validation_interval_validates_between_steps():
+    def run(simigrad: bool):
+        pl.seed_everything(0)
+        validations, steps = ValidationsPerEpoch(), StepsPerEpoch()
+        callbacks = [SimiGrad(target_similarity=0.9), validations, steps] if simigrad else [validations, steps]
+        # an interval that has always elapsed: Lightning validates at every check
+        t = trainer(callbacks=callbacks, max_epochs=2, val_check_interval=timedelta(microseconds=1))
+        t.fit(LitClassifier(), datamodule=ImagesDataModule(n=256, batch_size=16))
+        return validations, steps.steps
+
+    plain, plain_steps = run(simigrad=False)
+    assert plain.per_epoch == plain_steps == {0: 14, 1: 14}  # after every step (each batch steps)
+    validations, steps = run(simigrad=True)
+    assert validations.inside_a_window == 0
+    assert validations.per_epoch == steps  # after every step, never inside a window
+
+
+@pytest.mark.parametrize("hold", [dict(min_epochs=4), dict(min_steps=10**6)])
+def test_max_steps_ends_the_fit_whatever_min_epochs_or_min_steps_say(hold):
+    # Lightning's `max_steps` ends a fit even where `min_epochs`/`min_steps` would hold it; SimiGrad counts it in
+    # steps of B0 = 8 samples and ends the fit with `should_stop`, which those bounds used to hold back
+    pl.seed_everything(0)
+    plain = trainer(max_steps=20, max_epochs=6, **hold)
+    plain.fit(BoringModel(), DataLoader(RandomDataset(32, 128), batch_size=8, shuffle=True))
+    assert plain.global_step == 20  # 160 samples: into the second epoch
+    cb = SimiGrad(target_similarity=0.95)
+    t, model, audit = fit_boring(cb, max_steps=20, max_epochs=6, **hold)
+    assert cb.samples_seen == 20 * 8 == sum(map(len, model.micro_batches))
+    assert t.current_epoch == plain.current_epoch and max(audit.errors) < 1e-5
+    cb = SimiGrad(target_similarity=0.95, max_samples=200)
+    t, model, audit = fit_boring(cb, max_epochs=6, **hold)
+    assert cb.samples_seen == 200 == sum(map(len, model.micro_batches))
+    assert (t.fit_loop.min_epochs, t.min_steps) == (plain.fit_loop.min_epochs, plain.min_steps)  # restored
+
+
+class AccumulationSchedule(pl.Callback):
+    """A hand-written accumulation schedule, as users write before they find GradientAccumulationScheduler."""
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        trainer.accumulate_grad_batches = 2 if trainer.current_epoch == 0 else 4
+
+
+def test_a_callback_that_sets_accumulate_grad_batches_is_refused_before_the_first_step():
+    # SimiGrad sets every window's accumulation: it would silently override the callback's
+    model = BoringModel()
+    t = trainer(callbacks=[SimiGrad(target_similarity=0.9), AccumulationSchedule()], max_epochs=2)
+    with pytest.raises(RuntimeError, match=r"`trainer.accumulate_grad_batches` was set to 2 .*Remove what sets it"):
+        t.fit(model)
+    assert model.micro_batches == [] and t.global_step == 0
+
+
+def test_a_frequency_scheduler_resumed_from_a_plain_lightning_checkpoint_keeps_counting_per_epoch(tmp_path):
+    data = DataLoader(RandomDataset(32, 100), batch_size=8, shuffle=True)  # 13 batches an epoch
+    pl.seed_everything(0)
+    whole_lrs = AppliedLRs()
+    trainer(callbacks=[whole_lrs], max_epochs=3).fit(FrequencyTwo(), data)
+    pl.seed_everything(0)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    part = trainer(callbacks=[checkpoint], max_epochs=2, enable_checkpointing=True)
+    part.fit(FrequencyTwo(), data)  # written without SimiGrad: 12 scheduler steps in two epochs
+    cb, lrs = SimiGrad(target_similarity=0.95, lr_scaling="none"), AppliedLRs()
+    resumed = trainer(callbacks=[cb, lrs], max_epochs=3)
+    resumed.fit(FrequencyTwo(), data, ckpt_path=tmp_path / "last.ckpt")
+    assert resumed.lr_scheduler_configs[0].scheduler.last_epoch == 3 * (13 // 2)
+    assert lrs.at_epoch_end == pytest.approx(whole_lrs.at_epoch_end[-1:], rel=1e-12)

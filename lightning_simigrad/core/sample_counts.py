@@ -7,7 +7,8 @@ are read in samples:
 
 - a *B0-step* is :math:`B_0` samples. ``trainer.estimated_stepping_batches`` counts the fit in B0-steps:
   exactly the steps a run at the fixed batch :math:`B_0` takes. A step of :math:`B` samples advances
-  step-interval LR schedules by :math:`B / B_0` of them, and ``max_steps`` bounds the fit to ``max_steps``
+  step-interval LR schedules by :math:`B / B_0` of them (a scheduler's ``frequency`` counts them within
+  each epoch, as Lightning counts its batches), and ``max_steps`` bounds the fit to ``max_steps``
   B0-steps of samples (with ``schedule_by_samples=True``, the default). A schedule built on the estimate
   so runs once over the whole fit and ends where the fixed-batch run's ends.
 - ``limit_train_batches=k`` limits an epoch to the samples of ``k`` DataLoader batches, :math:`k b W` (a
@@ -63,19 +64,23 @@ def validation_interval(
     epoch_samples: int,
     batch_size: int,
     world_size: int,
-    val_check_interval: int | float,
+    val_check_interval: int | float | None,
     check_val_every_n_epoch: int | None,
 ) -> tuple[int, bool] | None:
     """``val_check_interval`` in samples, and whether it counts within each epoch (True) or over the fit.
 
-    None: validate at each epoch's end. Raises ``ValueError`` for an int interval longer than the epoch
-    where Lightning counts it within the epoch (validation would never run; Lightning refuses it too).
+    None: validate at each epoch's end, or, for ``val_check_interval=None`` (a time-based interval, which
+    Lightning keeps apart), by Lightning's rule for times. Raises ``ValueError`` for an int interval longer
+    than the epoch where Lightning counts it within the epoch (validation would never run; Lightning refuses
+    it too).
 
     >>> validation_interval(1000, 16, 2, 10, 1), validation_interval(1000, 16, 2, 0.25, 1)
     ((320, True), (250, True))
     >>> validation_interval(1000, 16, 2, 100, None), validation_interval(1000, 16, 2, 1.0, 1)
     ((3200, False), None)
     """
+    if val_check_interval is None:
+        return None
     if isinstance(val_check_interval, float):
         return None if val_check_interval == 1.0 else (max(1, int(epoch_samples * val_check_interval)), True)
     if check_val_every_n_epoch is not None:
@@ -146,6 +151,20 @@ class FitLength:
         twice = 2 * epoch_samples_done + window - self.initial_batch_size
         within = min(self.steps_per_epoch, max(twice, 0) // (2 * self.initial_batch_size))
         return int(min(epoch * self.steps_per_epoch + within, self.stepping_batches))
+
+    def scheduler_steps(self, steps_done: int, frequency: int) -> int:
+        """Steps a step-interval scheduler of ``frequency`` has taken after ``steps_done`` B0-steps of the fit.
+
+        Lightning counts ``frequency`` within each epoch (it steps at batches with ``(batch_idx + 1) % frequency
+        == 0``), so each epoch contributes ``steps_per_epoch // frequency``, not a share of a count over the fit.
+
+        >>> FitLength(8, 100, False, 3, math.inf).scheduler_steps(26, frequency=2)  # 13 B0-steps an epoch: 6 + 6
+        12
+        """
+        if self.steps_per_epoch <= 0:
+            return steps_done // frequency
+        epochs, within = divmod(steps_done, self.steps_per_epoch)
+        return epochs * (self.steps_per_epoch // frequency) + within // frequency
 
     def steps_done(self, epoch: int, epoch_samples_done: int, samples_seen: int, at_epoch_end: bool) -> int:
         """B0-steps of progress after ``samples_seen`` samples, ``epoch_samples_done`` of them in ``epoch``."""

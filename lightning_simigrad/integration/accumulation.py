@@ -6,7 +6,9 @@ and "zero the gradients now?" with ``batch_idx % accumulate_grad_batches == 0``.
 3 gives 4, 2, 4, ...: the previous window's gradient leaks into the next). So, for the length of a
 fit, :class:`VariableAccumulation` replaces those two decisions on the loop *instances* with ones
 read from the current window plan. Everything that follows from them in Lightning -- DDP's
-``no_sync``, ``global_step``, LR-scheduler stepping, logging cadence -- then follows the windows.
+``no_sync``, ``global_step``, LR-scheduler stepping, logging cadence -- then follows the windows. An
+epoch that runs no backward (``fit_loop._skip_backward``: ``StochasticWeightAveraging``'s BatchNorm
+epoch) accumulates throughout, so nothing steps in it.
 
 Lightning divides each micro-batch's loss by ``trainer.accumulate_grad_batches``. Here the divisor is
 ``N / (W * n)`` for a micro-batch of ``n`` samples in a window of ``N`` samples on ``W`` ranks, so the
@@ -14,7 +16,8 @@ user's mean loss weighs every sample of the window by exactly ``1 / N`` (after D
 ``W``), whatever the micro-batch sizes; a rank feeding a zero-weight padding sample divides by ``inf``.
 That divisor is applied where Lightning builds the closure's result (its ``output_result_cls``), and
 ``trainer.accumulate_grad_batches`` reads what users expect of it: the current window's number of
-micro-batches, an int.
+micro-batches, an int. The detached loss handed to callbacks (``outputs["loss"]``) stays undivided: the
+micro-batch's own mean loss, as plain Lightning gives it without accumulation.
 
 The replaced methods are private: :mod:`lightning_simigrad._compat` lists them and checks that they exist
 when a fit starts, and the package pins Lightning's minor version.
@@ -41,13 +44,21 @@ class VariableAccumulation:
         self.loss_divisor = 1.0
         self._trainer: pl.Trainer | None = None
         self._user_accumulate_grad_batches: Any = 1
+        self._set_length: Any = 1  # what `trainer.accumulate_grad_batches` was last set to here (or the user's)
 
     def attach(self, trainer: pl.Trainer) -> None:
         epoch_loop = trainer.fit_loop.epoch_loop
         automatic = epoch_loop.automatic_optimization
         self._trainer = trainer
-        self._user_accumulate_grad_batches = trainer.accumulate_grad_batches
+        self._user_accumulate_grad_batches = self._set_length = trainer.accumulate_grad_batches
         epoch_loop._accumulated_batches_reached = lambda: self.window_end  # type: ignore[method-assign]
+        should_accumulate = epoch_loop._should_accumulate
+        # An epoch that runs no backward has nothing to step. StochasticWeightAveraging's BatchNorm epoch is one: it
+        # makes the epoch a single window (`accumulate_grad_batches = max_batches`) that SimiGrad's windows replace,
+        # and even that one window Lightning steps at the epoch's end, on the gradient the previous step left.
+        epoch_loop._should_accumulate = (  # type: ignore[method-assign]
+            lambda: bool(automatic._skip_backward) or should_accumulate()
+        )
         automatic._make_zero_grad_fn = self._make_zero_grad_fn  # type: ignore[method-assign]
         automatic.output_result_cls = _WindowWeightedResult(self)  # type: ignore[assignment]
 
@@ -58,6 +69,7 @@ class VariableAccumulation:
         epoch_loop = trainer.fit_loop.epoch_loop
         # deleting the instance attributes brings back the class's methods
         epoch_loop.__dict__.pop("_accumulated_batches_reached", None)
+        epoch_loop.__dict__.pop("_should_accumulate", None)
         epoch_loop.automatic_optimization.__dict__.pop("_make_zero_grad_fn", None)
         epoch_loop.automatic_optimization.__dict__.pop("output_result_cls", None)
         trainer.accumulate_grad_batches = self._user_accumulate_grad_batches
@@ -65,12 +77,28 @@ class VariableAccumulation:
 
     def set_micro_batch(self, start: bool, end: bool, loss_divisor: float, window_length: int) -> None:
         """Declare the micro-batch about to run: first/last of its window, its loss divisor and the
-        window's number of micro-batches."""
-        assert self._trainer is not None
+        window's number of micro-batches.
+
+        Raises:
+            RuntimeError: when something else (a callback's own accumulation schedule) changed
+                ``trainer.accumulate_grad_batches`` since: SimiGrad would silently override it. An epoch without
+                backward (StochasticWeightAveraging's BatchNorm epoch, which sets it) is served.
+        """
+        trainer = self._trainer
+        assert trainer is not None
+        value = trainer.accumulate_grad_batches
+        if value != self._set_length and not trainer.fit_loop.epoch_loop.automatic_optimization._skip_backward:
+            raise RuntimeError(
+                f"`trainer.accumulate_grad_batches` was set to {value!r} during the fit (epoch"
+                f" {trainer.current_epoch}), by a callback or the LightningModule; SimiGrad sets every window's"
+                " accumulation itself and would override it. Remove what sets it (SimiGrad accumulates as many"
+                " micro-batches as a window needs; bound a micro-batch's memory with `max_micro_batch_size`)."
+            )
+        self._set_length = window_length
         self.window_start = start
         self.window_end = end
         self.loss_divisor = loss_divisor
-        self._trainer.accumulate_grad_batches = window_length
+        trainer.accumulate_grad_batches = window_length
 
     def _make_zero_grad_fn(self, batch_idx: int, optimizer: Optimizer) -> Callable[[], None] | None:
         assert self._trainer is not None
@@ -92,4 +120,11 @@ class _WindowWeightedResult:
         self._accumulation = accumulation
 
     def from_training_step_output(self, training_step_output: Any, normalize: int = 1) -> ClosureResult:
-        return ClosureResult.from_training_step_output(training_step_output, self._accumulation.loss_divisor)  # type: ignore[arg-type]
+        # built undivided, so that its detached `loss` (what callbacks get as `outputs["loss"]`, and the closure
+        # returns to the optimizer) is the micro-batch's own mean loss, as plain Lightning hands it without
+        # accumulation: the window's weight varies from window to window (a short tail window looks like a spike
+        # to `SpikeDetection`). Only the loss the backward runs on carries the weight.
+        result = ClosureResult.from_training_step_output(training_step_output)
+        if result.closure_loss is not None:
+            result.closure_loss = result.closure_loss / self._accumulation.loss_divisor
+        return result

@@ -4,11 +4,14 @@ r"""Lightning's step-based settings, served in samples (see :mod:`lightning_simi
 a fit, and restores them after:
 
 - ``_update_learning_rates``: step-interval LR schedulers (not plateau ones) are stepped until they have
-  taken as many steps as B0-steps of samples were trained (``frequency`` counts B0-steps); before a window
+  taken as many steps as B0-steps of samples were trained (``frequency`` counts B0-steps within each epoch,
+  as Lightning counts batches within each epoch); before a window
   trains they are brought to the B0-step in its middle, so a step of :math:`k B_0` samples applies the
   schedule's value halfway through the :math:`k` fixed-batch steps it stands for;
 - ``_should_check_val_fx``: validation after the samples of ``val_check_interval``, only ever between
-  optimizer steps (time-based intervals and stops keep Lightning's own rule);
+  optimizer steps (a time-based interval is Lightning's rule, asked after each step; a stop the fit loop
+  carries out and an epoch without optimizer steps keep Lightning's own rule; a stop that
+  ``min_epochs``/``min_steps`` hold back keeps the cadence);
 - ``setup_data``: Lightning loads the training data without ``limit_train_batches`` and without a
   fractional ``val_check_interval`` (both of which it would refuse or apply in micro-batches for a loader
   without a length); the sampler serves them in samples;
@@ -56,6 +59,7 @@ class SampleProgress:
         self._trainer: pl.Trainer | None = None
         self._originals: dict[str, Any] = {}
         self._hidden: dict[str, Any] = {}  # the user's settings, while Lightning loads the data without them
+        self._min_bounds: tuple[Any, Any] | None = None  # the user's (min_epochs, min_steps), lifted by `end_fit`
 
     # ------------------------------------------------------------------------------ wiring
     def attach(self, trainer: pl.Trainer) -> None:
@@ -80,6 +84,9 @@ class SampleProgress:
         trainer = self._trainer
         if trainer is None:
             return
+        if self._min_bounds is not None:
+            trainer.fit_loop.min_epochs, trainer.fit_loop.epoch_loop.min_steps = self._min_bounds
+            self._min_bounds = None
         trainer.fit_loop.epoch_loop.__dict__.pop("_update_learning_rates", None)
         trainer.fit_loop.epoch_loop.__dict__.pop("_should_check_val_fx", None)
         trainer.fit_loop.epoch_loop.__dict__.pop("reset", None)
@@ -90,8 +97,9 @@ class SampleProgress:
 
     # ------------------------------------------------------------------------------ readings
     def setting(self, name: str) -> Any:
-        """The user's ``trainer.<name>``, also while Lightning loads the training data without it."""
-        return self._hidden[name] if name in self._hidden else getattr(self._trainer, name)
+        """The user's ``trainer.<name>``, also while Lightning loads the training data without it (None: the Trainer
+        has no such attribute, as ``val_check_interval`` when it is a time)."""
+        return self._hidden[name] if name in self._hidden else getattr(self._trainer, name, None)
 
     def stepping_batches(self) -> float | None:
         """``trainer.estimated_stepping_batches``: the fit's length in B0-steps (None: Lightning's own count)."""
@@ -107,6 +115,20 @@ class SampleProgress:
         assert trainer is not None and run is not None
         at_end = bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
         return run.fit_length().steps_done(*run.counters(), at_epoch_end=at_end)
+
+    def end_fit(self) -> None:
+        """The fit's sample budget (``max_steps`` in B0-steps, or ``max_samples``) is spent: stop after this step.
+
+        Lightning's own ``max_steps`` ends a fit whatever ``min_epochs``/``min_steps`` say, while they hold back a
+        ``should_stop``; so they are lifted for the rest of the fit (and restored in :meth:`detach`).
+        """
+        trainer = self._trainer
+        assert trainer is not None
+        trainer.should_stop = True
+        fit_loop = trainer.fit_loop
+        if self._min_bounds is None:
+            self._min_bounds = (fit_loop.min_epochs, fit_loop.epoch_loop.min_steps)
+        fit_loop.min_epochs, fit_loop.epoch_loop.min_steps = 0, None
 
     def record_step(self, epoch_done_before: int, epoch_done_after: int, total_before: int, total_after: int) -> None:
         """The samples an optimizer step just added (read by the validation cadence)."""
@@ -142,11 +164,13 @@ class SampleProgress:
         # micro-batches (`limit_train_batches`) nor refuse a fraction of a loader without a length
         # (`limit_train_batches`, `val_check_interval`): it loads the data as if unlimited, and the
         # limits are served in samples. Its own reading of both is restored at once.
-        self._hidden = {"val_check_interval": trainer.val_check_interval}
+        self._hidden = {}
         if trainer.limit_train_batches != 0:
             self._hidden["limit_train_batches"] = trainer.limit_train_batches
             trainer.limit_train_batches = 1.0
-        if isinstance(trainer.val_check_interval, float):
+        # (a time-based `val_check_interval` leaves the Trainer without the attribute: nothing to hide)
+        if isinstance(getattr(trainer, "val_check_interval", None), float):
+            self._hidden["val_check_interval"] = trainer.val_check_interval
             trainer.val_check_interval = 1.0
         try:
             self._originals["setup_data"]()
@@ -188,11 +212,13 @@ class SampleProgress:
         return None
 
     def _advance_schedulers(self, done: int) -> None:
-        """Step every step-interval scheduler until it has taken ``done // frequency`` steps in this fit."""
-        trainer = self._trainer
+        """Step every step-interval scheduler until it has taken the steps due after ``done`` B0-steps: ``frequency``
+        counts B0-steps within each epoch, as Lightning counts batches (:meth:`FitLength.scheduler_steps`)."""
+        trainer, run = self._trainer, self.run
         assert trainer is not None
-        if not trainer.lr_scheduler_configs or not trainer.lightning_module.automatic_optimization:
+        if not trainer.lr_scheduler_configs or not trainer.lightning_module.automatic_optimization or run is None:
             return
+        length = run.fit_length()
         configs = trainer.lr_scheduler_configs
         if len(self.scheduler_steps) < len(configs):
             self.scheduler_steps += [0] * (len(configs) - len(self.scheduler_steps))
@@ -201,10 +227,9 @@ class SampleProgress:
             if config.interval != "step" or config.reduce_on_plateau:
                 continue
             if self._continue_restored:
-                self.scheduler_steps[index] = done // config.frequency
+                self.scheduler_steps[index] = length.scheduler_steps(done, config.frequency)
                 continue
-            # `frequency` counts B0-steps, as it counted steps of the fixed batch
-            due = done // config.frequency - self.scheduler_steps[index]
+            due = length.scheduler_steps(done, config.frequency) - self.scheduler_steps[index]
             for _ in range(max(due, 0)):
                 progress.increment_ready()
                 call._call_lightning_module_hook(trainer, "lr_scheduler_step", config.scheduler, None)
@@ -216,17 +241,22 @@ class SampleProgress:
         trainer = self._trainer
         assert trainer is not None
         epoch_loop = trainer.fit_loop.epoch_loop
+        span, self._last_step_span = self._last_step_span, None
         if (
             self.run is None
             or epoch_loop.restarting
-            or trainer.should_stop
-            or getattr(trainer, "_val_check_time_interval", None) is not None
+            # a stop the fit loop will carry out (not one `min_epochs`/`min_steps` hold back): Lightning validates there
+            or (trainer.should_stop and trainer.fit_loop._can_stop_early)
+            # an epoch without optimizer steps (StochasticWeightAveraging's BatchNorm epoch): Lightning's own rule
+            or epoch_loop.automatic_optimization._skip_backward
             or not epoch_loop._should_check_val_epoch()
         ):
             return bool(self._originals["_should_check_val_fx"](data_fetcher))
-        span, self._last_step_span = self._last_step_span, None
         if span is None:
             return False  # validation only ever follows an optimizer step, never splits a window
+        if getattr(trainer, "_val_check_time_interval", None) is not None:
+            # a time interval: Lightning's rule, asked once a step has ended, as a fixed batch asks it between steps
+            return bool(self._originals["_should_check_val_fx"](data_fetcher))
         interval = self.run.validation_interval()
         if interval is None:
             return bool(epoch_loop.batch_progress.is_last_batch)

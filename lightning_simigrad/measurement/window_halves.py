@@ -63,7 +63,10 @@ class WindowHalvesMeasurement:
     # ------------------------------------------------------------------------------ the protocol
     def start_micro_batch(self, window: Window, index: int, params: Sequence[Tensor]) -> None:
         if index == 0:
-            self._products = None
+            # a first half still held belongs to a window the loop abandoned (an epoch ended inside it, by -1 from
+            # `on_train_batch_start` or a StopIteration): Lightning drops such a window, zeroing its gradient as the
+            # next window starts, so it is given back here and never added into this window
+            self.abort()
         if index == window.half_split() and index > 0:
             # set aside before the second half's first backward (after any skipped micro-batch too)
             self.set_aside(params)
