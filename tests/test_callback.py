@@ -2,53 +2,15 @@
 
 from __future__ import annotations
 
-import copy
 import math
 
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import IndexedRegression, Regressor, trainer
+from helpers import IndexedRegression, Regressor, StepRecorder, flat, trainer
 from torch.utils.data import DataLoader
 
 from lightning_simigrad import SimiGrad
-
-
-class StepRecorder(pl.Callback):
-    """After SimiGrad (later in the callback list): each step's samples, reference gradient and halves."""
-
-    def __init__(self, dataset):
-        self.dataset = dataset
-        self.steps: list[dict] = []
-        self.decisions: list[int] = []  # the batch size SimiGrad asks for after each step
-        self._consumed = 0
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        simigrad = next(c for c in trainer.callbacks if isinstance(c, SimiGrad))
-        if len(self.decisions) < len(simigrad.history):
-            self.decisions.append(simigrad.batch_size)
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        micro = pl_module.micro_batches[self._consumed :]
-        self._consumed = len(pl_module.micro_batches)
-        indices = [i for m in micro for i in m]
-        grads = [p.grad.detach().clone() for p in pl_module.parameters()]
-        reference = self._gradient(pl_module, indices)
-        half = len(micro) // 2
-        g_a = self._gradient(pl_module, [i for m in micro[:half] for i in m]) if half else None
-        g_b = self._gradient(pl_module, [i for m in micro[half:] for i in m]) if half else None
-        self.steps.append(dict(micro=micro, indices=indices, grads=grads, reference=reference, g_a=g_a, g_b=g_b))
-
-    def _gradient(self, pl_module, indices):
-        model = copy.deepcopy(pl_module)
-        model.zero_grad()
-        x, y = self.dataset.x[indices], self.dataset.y[indices]
-        model.loss(x, y).backward()  # the mean loss over exactly these samples
-        return [p.grad for p in model.parameters()]
-
-
-def flat(tensors):
-    return torch.cat([t.reshape(-1) for t in tensors])
 
 
 def fit(simigrad, n=300, batch_size=16, num_workers=0, drop_last=False, shuffle=True, model=None, **trainer_kwargs):

@@ -7,9 +7,8 @@ import math
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import IndexedRegression, Regressor, trainer
+from helpers import IndexedRegression, Regressor, StepRecorder, flat, trainer
 from lightning.pytorch.plugins.precision import MixedPrecision
-from test_callback import StepRecorder, flat
 from torch.utils.data import DataLoader
 
 from lightning_simigrad import BatchSizeController, HalfStats, SimiGrad
