@@ -22,7 +22,9 @@ A window the training loop abandons (an epoch or the fit ended inside it) is dro
 
 from __future__ import annotations
 
+import logging
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +45,8 @@ from lightning_simigrad.state.resume import Restart, Resumption, Stage, resume
 from lightning_simigrad.state.rng import rng_state
 
 __all__ = ["Data", "Limits", "MicroBatch", "Run", "Step"]
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -126,7 +130,7 @@ class Run:
         epoch: returns the epoch being trained.
         measurement: measures each window's halves.
         restart: the checkpoint the fit resumes from, or None.
-        warn, info: where the run's messages go (rank zero's warnings and log in Lightning).
+        warn, info: where the run's messages go (Lightning's integration passes its rank-zero warning and log).
     """
 
     def __init__(
@@ -141,8 +145,8 @@ class Run:
         epoch: Callable[[], int],
         measurement: Measurement,
         restart: Restart | None = None,
-        warn: Callable[[str], None] = print,
-        info: Callable[[str], None] = print,
+        warn: Callable[[str], None] = warnings.warn,
+        info: Callable[[str], None] = _log.info,
     ) -> None:
         self.settings, self.data, self.limits = settings, data, limits
         self.world_size, self.rank, self.b0 = world_size, rank, initial_batch_size
