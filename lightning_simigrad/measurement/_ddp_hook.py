@@ -13,7 +13,10 @@ part that runs inside DDP's backward. For every bucket the hook
 
 A local error in step 2 or 4 never skips a collective and never fails backward: it is recorded on
 the :class:`Round` and travels as NaN to :meth:`RankGroupMeasurement.collect`, where every rank
-raises it together. Only a failed collective (a dead peer, a timeout) fails this rank's backward.
+raises it together -- except an out-of-memory error, which only costs this step's measurement
+(:meth:`Round.skip`): the gradients are untouched, every rank gets NaN statistics, the controller holds
+and training goes on. Only a failed collective (a dead peer, a timeout) fails this rank's backward, and
+only where the backend reports it (gloo; NCCL does not, see ``rank_groups``).
 """
 
 from __future__ import annotations
@@ -86,12 +89,23 @@ class Round:
     device: torch.device | None = None
     partials: dict[int, Tensor] = field(default_factory=dict)
     failure: tuple[int, BaseException] | None = None
+    skipped: tuple[int, BaseException] | None = None  # out of memory: this step goes unmeasured
+    void_gradient: bool = False  # a stand-in received into the bucket: the step must not be used
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def fail(self, stage: int, error: BaseException) -> None:
         with self.lock:
             if self.failure is None:  # the first cause is the one worth reading
                 self.failure = (stage, error)
+
+    def fail_or_skip(self, stage: int, error: BaseException) -> None:
+        """An out-of-memory error skips the measurement (the gradients are intact); anything else fails it."""
+        if isinstance(error, torch.OutOfMemoryError) and not self.void_gradient:
+            with self.lock:
+                if self.skipped is None:
+                    self.skipped = (stage, error)
+        else:
+            self.fail(stage, error)
 
 
 @dataclass
@@ -132,14 +146,14 @@ class BucketHook:
         try:
             job = self._prepare(buffer, index)
         except Exception as error:
-            round.fail(PREPARE, error)
+            round.fail_or_skip(PREPARE, error)
             job = None
         futures = []
         if self.layout.exchanges:
             if job is not None and job.send is not None and job.recv is not None:
                 send, recv = job.send, job.recv
             else:
-                send, recv = self._stand_ins(buffer)
+                send, recv = self._stand_ins(buffer, round)
             futures.append(self._exchange(send, recv, buffer.numel()))
         futures.append(dist.all_reduce(buffer, group=self.group, async_op=True).get_future())  # type: ignore[union-attr]
         return self._complete(futures, buffer, round, index, job)
@@ -207,19 +221,26 @@ class BucketHook:
         work = dist.all_to_all_single(recv, send, out_sizes, in_sizes, group=self.group, async_op=True)
         return work.get_future()  # type: ignore[union-attr]
 
-    def _stand_ins(self, buffer: Tensor) -> tuple[Tensor, Tensor]:
+    def _stand_ins(self, buffer: Tensor, round: Round) -> tuple[Tensor, Tensor]:
         """Tensors of the agreed sizes for the all-to-all of a bucket whose preparation failed.
 
-        The rank still takes part, so that no other rank waits on it; what it sends and receives is void,
-        and so is this step's gradient (every rank raises before the optimizer uses it). The bucket itself
-        stands in, so a failure to allocate cannot stop the collective.
+        The rank still takes part, so that no other rank waits on it; what it sends and receives is void.
+        It receives into a fresh tensor when one can be had, so the bucket (and this step's gradient) is
+        untouched and the step goes on unmeasured; failing that, the bucket itself stands in, so that a
+        failure to allocate cannot stop the collective, and the step's gradient is void: every rank then
+        raises before the optimizer uses it.
         """
         slot = self.layout.slot
         if slot is None:
             return buffer[:0], buffer[:0]
         lo, hi = self.layout.bounds(buffer.numel(), slot)
         need = self.layout.computing * (hi - lo)
-        recv = buffer[:need] if need <= buffer.numel() else torch.empty(need, dtype=buffer.dtype, device=buffer.device)
+        try:
+            recv = torch.empty(need, dtype=buffer.dtype, device=buffer.device)
+        except torch.OutOfMemoryError as error:
+            round.void_gradient = True
+            round.fail(PREPARE, error)
+            recv = buffer[:need]
         return buffer, recv
 
     def _complete(
@@ -271,7 +292,7 @@ class BucketHook:
                 with round.lock:
                     round.partials[index] = partial
         except Exception as error:
-            round.fail(FINISH, error)
+            round.fail_or_skip(FINISH, error)
 
     def _stream(self, device: torch.device) -> torch.cuda.Stream:
         stream = self._streams.get(device)

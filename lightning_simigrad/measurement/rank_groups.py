@@ -100,6 +100,7 @@ copies). Besides: float64 chunk scratch of at most
 and four float64 numbers per bucket.
 """
 
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
@@ -110,11 +111,15 @@ from lightning_simigrad import _compat
 from lightning_simigrad.core.plan import Window
 from lightning_simigrad.core.statistics import HalfStats
 from lightning_simigrad.measurement import _ddp_scalars
-from lightning_simigrad.measurement._ddp_decision import decide
+from lightning_simigrad.measurement._ddp_decision import decide, skipped_ranks
 from lightning_simigrad.measurement._ddp_hook import BucketHook, Layout, Round
 from lightning_simigrad.measurement.protocol import LossScale, MeasurementError, loss_scale_of
 
-__all__ = ["MeasurementError", "RankGroupMeasurement"]
+__all__ = ["MeasurementError", "MeasurementSkipped", "RankGroupMeasurement"]
+
+
+class MeasurementSkipped(UserWarning):
+    """A step went unmeasured (a rank ran out of memory for the measurement); training went on."""
 
 
 class RankGroupMeasurement:
@@ -287,8 +292,9 @@ class RankGroupMeasurement:
             stream = self._buckets.measurement_stream(device) if device.type == "cuda" else None
             row = _ddp_scalars.local_row(round, self._layout.slot is not None, device, stream)
         except Exception as error:
-            round.fail(_ddp_scalars.COLLECT, error)
-            row = _ddp_scalars.failed_row(device, _ddp_scalars.COLLECT)
+            round.fail_or_skip(_ddp_scalars.COLLECT, error)
+            stage = _ddp_scalars.SKIPPED if round.failure is None else _ddp_scalars.COLLECT
+            row = _ddp_scalars.failed_row(device, stage)
         scale = loss_scale_of(loss_scale)
         try:
             rows, scale_value = _ddp_scalars.fetch(_ddp_scalars.gather(row, self._pg, self._world_size), scale)  # type: ignore[arg-type]
@@ -303,6 +309,16 @@ class RankGroupMeasurement:
             stats = decide(rows, n_a, n_b, squares=self._layout.squares)
         except MeasurementError as error:
             raise error from (round.failure[1] if round.failure is not None else None)
+        short = skipped_ranks(rows)
+        if short and self._rank == 0:  # one warning for the whole group, the same on every rank's decision
+            warnings.warn(
+                f"SimiGrad skipped this step's DDP measurement: rank{'s' if len(short) > 1 else ''} "
+                f"{', '.join(map(str, short))} ran out of device memory preparing or finishing it. The gradients "
+                "are plain DDP's, the batch size holds and training goes on. If it recurs, lower "
+                "`max_micro_batch_size` or DDP's `bucket_cap_mb` (the measurement holds up to one bucket more).",
+                MeasurementSkipped,
+                stacklevel=2,
+            )
         return stats.scaled(1.0 / scale_value) if scale_value != 1.0 else stats
 
     # ------------------------------------------------------------------ the measurement protocol
