@@ -120,6 +120,9 @@ class _Job:
     def hook_stream_tensors(self) -> list[Tensor]:
         return [t for t in (self.own, self.share, self.recv) if t is not None]
 
+    def release(self) -> None:
+        self.own = self.share = self.send = self.recv = None
+
 
 class BucketHook:
     """The per-bucket work of :class:`~lightning_simigrad.measurement.rank_groups.RankGroupMeasurement`."""
@@ -148,15 +151,15 @@ class BucketHook:
         except Exception as error:
             round.fail_or_skip(PREPARE, error)
             job = None
-        futures = []
+        works = []
         if self.layout.exchanges:
             if job is not None and job.send is not None and job.recv is not None:
                 send, recv = job.send, job.recv
             else:
                 send, recv = self._stand_ins(buffer, round)
-            futures.append(self._exchange(send, recv, buffer.numel()))
-        futures.append(dist.all_reduce(buffer, group=self.group, async_op=True).get_future())  # type: ignore[union-attr]
-        return self._complete(futures, buffer, round, index, job)
+            works.append(self._exchange(send, recv, buffer.numel()))
+        works.append(dist.all_reduce(buffer, group=self.group, async_op=True))
+        return self._complete(works, buffer, round, index, job)
 
     def clear(self) -> None:
         self._workspaces = {}
@@ -207,7 +210,7 @@ class BucketHook:
 
     # ------------------------------------------------------------------ collectives and streams
 
-    def _exchange(self, send: Tensor, recv: Tensor, numel: int) -> torch.futures.Future[Any]:
+    def _exchange(self, send: Tensor, recv: Tensor, numel: int) -> Any:
         """Group A's reduce-scatter of slices, as an all-to-all over DDP's own group (one communicator)."""
         layout, k = self.layout, self.layout.computing
         slot = layout.slot
@@ -218,8 +221,7 @@ class BucketHook:
             in_sizes = [hi - lo for lo, hi in (layout.bounds(numel, j) for j in range(k))] + pad
             lo, hi = layout.bounds(numel, slot)
             out_sizes = [hi - lo] * k + pad
-        work = dist.all_to_all_single(recv, send, out_sizes, in_sizes, group=self.group, async_op=True)
-        return work.get_future()  # type: ignore[union-attr]
+        return dist.all_to_all_single(recv, send, out_sizes, in_sizes, group=self.group, async_op=True)
 
     def _stand_ins(self, buffer: Tensor, round: Round) -> tuple[Tensor, Tensor]:
         """Tensors of the agreed sizes for the all-to-all of a bucket whose preparation failed.
@@ -244,7 +246,7 @@ class BucketHook:
         return buffer, recv
 
     def _complete(
-        self, futures: list[torch.futures.Future[Any]], buffer: Tensor, round: Round, index: int, job: _Job | None
+        self, works: list[Any], buffer: Tensor, round: Round, index: int, job: _Job | None
     ) -> torch.futures.Future[Tensor]:
         """The future DDP waits on: done when the collectives and this bucket's arithmetic are.
 
@@ -252,6 +254,12 @@ class BucketHook:
         current (the hook's, under NCCL, where futures complete at issue): the callback below therefore
         switches to the measurement stream itself before waiting on the collectives, and sets the result
         there, so that DDP's wait orders the gradient after the arithmetic that reads the bucket.
+
+        Under NCCL it also waits on the collectives' ``Work`` objects: NCCL keeps a collective's tensors
+        stashed (instead of ``record_stream``) until its watchdog sees it end, and ``Work.wait()`` orders the
+        current stream after the collective and lets go of the stash, so a receive buffer is freed once its
+        products are taken, not when the watchdog next looks (read in torch's sources, not yet run on a GPU).
+        Under gloo, waiting on a ``Work`` from inside a future's callback deadlocks; the future suffices there.
         """
         cuda = buffer.is_cuda
         result: torch.futures.Future[Tensor] = (
@@ -263,9 +271,13 @@ class BucketHook:
             try:
                 with _current(stream):
                     for future in futures:
-                        future.wait()  # re-raises a failed collective; on CUDA: this stream waits for it
+                        future.wait()  # re-raises a failed collective (gloo); on CUDA: this stream waits for it
+                    if nccl:
+                        for work in works:  # lets go of NCCL's stash (see above); the stream order is the same
+                            work.wait()
                     if job is not None:
                         self._finish_into(round, index, job, buffer, stream)
+                        job.release()  # the products are taken: the copies and receive buffers can go
                     result.set_result(buffer)
             except Exception as error:  # a collective failed: that must fail backward, on every rank
                 wrapped = RuntimeError(
@@ -275,6 +287,8 @@ class BucketHook:
                 wrapped.__cause__ = error
                 result.set_exception(wrapped)  # type: ignore[arg-type]
 
+        futures = [work.get_future() for work in works]
+        nccl = self._in_order(buffer)
         torch.futures.collect_all(futures).add_done_callback(done)
         return result.then(_unwrap)
 
@@ -297,7 +311,9 @@ class BucketHook:
     def _stream(self, device: torch.device) -> torch.cuda.Stream:
         stream = self._streams.get(device)
         if stream is None:
-            stream = self._streams[device] = torch.cuda.Stream(device=device)
+            # High priority: the default priority draws from the pool of 32 streams that NCCL's internal
+            # stream and Lightning's side stream come from too, and sharing one of them serialises with it.
+            stream = self._streams[device] = torch.cuda.Stream(device=device, priority=-1)
         return stream
 
     def measurement_stream(self, device: torch.device) -> torch.cuda.Stream | None:
