@@ -152,25 +152,13 @@ def _ddp_worker(rank: int, world: int, port: int, tensors: int, out: Any) -> Non
             gen = torch.Generator().manual_seed(rank)
             micro = [(torch.randn(MICRO, PARAMETERS, generator=gen), torch.randn(MICRO, generator=gen))] * WINDOW
 
-            def step() -> None:
-                optimizer.zero_grad(set_to_none=True)
-                for j, (x, y) in enumerate(micro):
-                    last = j == WINDOW - 1
-                    if last and measurement is not None:
-                        measurement.arm([MICRO * WINDOW] * world)
-                    with model.no_sync() if not last else _nothing():
-                        nn.functional.mse_loss(model(x), y).backward()
-                if measurement is not None:
-                    measurement.collect()
-                optimizer.step()
-
             for _ in range(3):  # warm-up, past DDP's bucket rebuild
-                step()
+                _ddp_step(model, measurement, optimizer, micro, world)
             dist.barrier()
             prof = _profiler()
             prof.start()
             for _ in range(STEPS):
-                step()
+                _ddp_step(model, measurement, optimizer, micro, world)
             prof.stop()
             counts[measured] = top_level_ops(prof) / STEPS
             if measurement is not None:
@@ -180,6 +168,20 @@ def _ddp_worker(rank: int, world: int, port: int, tensors: int, out: Any) -> Non
             out.put(counts)
     finally:
         dist.destroy_process_group()
+
+
+def _ddp_step(model: Any, measurement: Any, optimizer: Any, micro: list[Any], world: int) -> None:
+    """One window of ``WINDOW`` micro-batches, ``no_sync`` but for the last; measured when ``measurement`` is set."""
+    optimizer.zero_grad(set_to_none=True)
+    for j, (x, y) in enumerate(micro):
+        last = j == WINDOW - 1
+        if last and measurement is not None:
+            measurement.arm([MICRO * WINDOW] * world)
+        with model.no_sync() if not last else _nothing():
+            nn.functional.mse_loss(model(x), y).backward()
+    if measurement is not None:
+        measurement.collect()
+    optimizer.step()
 
 
 class _nothing:
