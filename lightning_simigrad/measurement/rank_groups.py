@@ -64,7 +64,8 @@ read on another stream is marked with ``record_stream`` before it can be freed.
   so NCCL's stream waits for them.
 * **NCCL stream** (the process group's, one per device): the all-to-all, then the all-reduce, of each
   bucket in issue order (one communicator only, so no two communicators ever compete for the GPU).
-* **measurement stream** (one per device, owned by this object): each bucket's products. It waits on the
+* **measurement stream** (one per device, owned by this object, high priority so that it is none of the
+  pooled streams NCCL and Lightning use): each bucket's products. It waits on the
   bucket's collectives (their futures' events); the hook stream's tensors it reads are
   ``record_stream``-ed to it. The future handed to DDP is completed on it, so DDP's copy of the gradient
   waits for the products that read the bucket -- and the backward itself never waits for a collective.
@@ -79,10 +80,17 @@ Every rank issues the same collectives in the same order whatever fails locally.
 a bucket, in a bucket's arithmetic, or in ``collect()`` before its all-gather is recorded, the rank's
 products become NaN, and the failure travels in the all-gathered rows: every rank then raises the same
 :class:`MeasurementError` from ``collect()``, before the optimizer steps (the failing rank chains the
-original error). A bucket whose preparation failed still takes part in the all-to-all, with the bucket
-itself standing in for the buffers it could not make. A collective that fails (a dead rank, a timeout)
-fails the backward of every rank that waits on it; with NCCL that takes the process group's timeout,
-so set ``timeout=`` on the process group (Lightning: ``DDPStrategy(timeout=...)``).
+original error). An out-of-memory error there only skips the step's measurement: the rank's row says so,
+every rank returns NaN statistics (the controller holds), rank 0 warns (:class:`MeasurementSkipped`) and the
+gradients, untouched, are used. A bucket whose preparation failed still takes part in the all-to-all, with a
+fresh receive buffer (or, if even that cannot be had, the bucket itself: then the step's gradient is void and
+every rank raises).
+
+A collective that fails is reported by gloo (a dead peer: within seconds) through the future, and fails the
+backward of every rank that waits on it. NCCL completes a collective's future at issue and reports nothing
+there: a dead or failing peer leaves the survivors blocked at their next host read (``collect()``'s) until the
+process group's timeout, when NCCL's watchdog ends the process. Set ``timeout=`` on the process group
+(Lightning: ``DDPStrategy(timeout=...)``) and let the launcher restart from the last checkpoint.
 
 Memory
 ------
@@ -95,9 +103,10 @@ Extra memory per bucket of :math:`P_b` elements, from the hook until that bucket
 
 So at most one gradient's worth (two under gloo at ``W >= 4``) on group A's ranks, reached only if every
 bucket is in flight at once; on CPU these buffers are kept between windows (fresh pages cost more than the
-copies). Besides: float64 chunk scratch of at most
-:func:`lightning_simigrad.measurement._dots.scratch_bytes` per stream (16 MiB on an accelerator, 2 MiB on CPU),
-and four float64 numbers per bucket.
+copies). A bucket's copy and receive buffer are dropped once its products are taken (under NCCL the hook also
+calls ``Work.wait()``, which releases NCCL's own stash of them). Besides: chunk scratch of at most
+:func:`lightning_simigrad.measurement._dots.scratch_bytes` per stream (16 MiB on a GPU, 2 MiB on CPU), and four
+float64 numbers per bucket.
 """
 
 import warnings
