@@ -72,10 +72,12 @@ def test_accelerator_scratch_is_bounded_whatever_the_bucket() -> None:
     # The accelerator path, run on the meta device: shapes and dtypes without data.
     a = torch.empty(10 * _dots.DEVICE_CHUNK + 3, device="meta")  # a 40 MiB float32 bucket
     b = torch.empty_like(a)
+    slices = torch.empty(4, a.numel(), device="meta", dtype=torch.bfloat16)  # W >= 4: group A's received slices
     with _LargestTemporary() as mode, _LiveTemporaries() as live:
         assert _dots.gram(a, b).dtype == torch.float64
         _dots.square(a)
         _dots.gram_and_add_(a, b)
+        _dots.gram_of_sum(slices, b)
     assert mode.largest == _dots.DEVICE_CHUNK * 8  # one float64 chunk, 8 MiB, never the bucket
     # the documented bound holds for what is alive at once, not just for each tensor: two converted chunks
     assert _dots.DEVICE_CHUNK * 8 < live.peak <= _dots.scratch_bytes(torch.device("cuda")) + 4096
@@ -145,3 +147,12 @@ class _OpCount(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         self.count += 1
         return func(*args, **(kwargs or {}))
+
+
+def test_slices_are_summed_in_float32_or_wider_not_in_their_own_precision() -> None:
+    gen = torch.Generator().manual_seed(0)
+    slices = torch.randn(4, 3 * _dots.CPU_CHUNK + 7, generator=gen).to(torch.bfloat16)
+    b = (slices.double().sum(0) + torch.randn(slices.shape[1], generator=gen, dtype=torch.float64)).to(torch.bfloat16)
+    u, y = slices.double().sum(0), b.double()
+    expected = torch.stack([u @ u, u @ y, y @ y])
+    torch.testing.assert_close(_dots.gram_of_sum(slices, b), expected, rtol=2e-5, atol=0)

@@ -202,10 +202,9 @@ class BucketHook:
         else:
             assert job.recv is not None
             width = hi - lo
-            u = job.recv[:width]
-            for j in range(1, layout.computing):  # the slices arrived in rank order: sum them in place
-                u.add_(job.recv[j * width : (j + 1) * width])
-            parts[:3] = _dots.gram(u, buffer[lo:hi])
+            # the slices arrived in rank order; u is their sum, taken in float32 or wider chunk by chunk
+            slices = job.recv[: layout.computing * width].view(layout.computing, width)
+            parts[:3] = _dots.gram_of_sum(slices, buffer[lo:hi])
         return parts
 
     # ------------------------------------------------------------------ collectives and streams

@@ -51,6 +51,7 @@ __all__ = [
     "gram",
     "gram_and_add_",
     "gram_and_add_all_",
+    "gram_of_sum",
     "scratch_bytes",
     "square",
     "wide_dtype",
@@ -89,15 +90,19 @@ def _total(parts: list[Tensor], shape: tuple[int, ...], device: torch.device) ->
     return torch.stack(parts).to(wide).sum(dim=0)
 
 
-def _chunked(a: Tensor, b: Tensor | None, add: bool) -> Tensor:
-    """The products of ``a`` (and ``b``) chunk by chunk; ``b += a`` chunk by chunk when ``add``."""
+def _chunked(a: Tensor, b: Tensor | None, add: bool, summed_rows: bool = False) -> Tensor:
+    """The products of ``a`` (and ``b``) chunk by chunk; ``b += a`` chunk by chunk when ``add``.
+
+    With ``summed_rows``, ``a`` is 2-D, ``(k, n)``, and its rows are summed (in the wide dtype, one chunk at a time) into the
+    first operand, never in ``a``'s own precision.
+    """
     chunk, dtype = _plan(a)
-    flat_a = a.view(-1)
+    rows = a if summed_rows else a.view(1, -1)
     flat_b = b.view(-1) if b is not None else None
     parts = []
-    for start in range(0, flat_a.numel(), chunk):
-        raw_x = flat_a[start : start + chunk]
-        x = raw_x.to(dtype)
+    for start in range(0, rows.shape[1], chunk):
+        raw_x = rows[0, start : start + chunk]
+        x = rows[:, start : start + chunk].sum(0, dtype=dtype) if summed_rows else raw_x.to(dtype)
         if flat_b is None:
             parts.append(torch.dot(x, x))
         else:
@@ -123,6 +128,15 @@ def gram_and_add_(a: Tensor, b: Tensor) -> Tensor:
         b.add_(a)
         return products
     return _chunked(a, b, add=True)
+
+
+def gram_of_sum(slices: Tensor, b: Tensor) -> Tensor:
+    """``[u.u, u.b, b.b]`` where ``u`` is the sum of the rows of ``slices`` (``k x n``), summed in the wide dtype.
+
+    Summing bf16/fp16 slices in their own precision would round ``u`` to 8 or 11 bits; here each chunk of
+    ``u`` is summed in float32 or wider as it is used, within the same scratch bound as :func:`gram`.
+    """
+    return _chunked(slices.contiguous(), b.contiguous(), add=False, summed_rows=True)
 
 
 def square(x: Tensor) -> Tensor:
