@@ -4,4 +4,11 @@ from lightning_simigrad.measurement.protocol import Measurement, MeasurementErro
 from lightning_simigrad.measurement.rank_groups import MeasurementSkipped, RankGroupMeasurement
 from lightning_simigrad.measurement.window_halves import WindowHalvesMeasurement
 
-__all__ = ["Measurement", "MeasurementError", "MeasurementSkipped", "RankGroupMeasurement", "WindowHalvesMeasurement", "loss_scale_of"]
+__all__ = [
+    "Measurement",
+    "MeasurementError",
+    "MeasurementSkipped",
+    "RankGroupMeasurement",
+    "WindowHalvesMeasurement",
+    "loss_scale_of",
+]

@@ -93,8 +93,8 @@ def _total(parts: list[Tensor], shape: tuple[int, ...], device: torch.device) ->
 def _chunked(a: Tensor, b: Tensor | None, add: bool, summed_rows: bool = False) -> Tensor:
     """The products of ``a`` (and ``b``) chunk by chunk; ``b += a`` chunk by chunk when ``add``.
 
-    With ``summed_rows``, ``a`` is 2-D, ``(k, n)``, and its rows are summed (in the wide dtype, one chunk at a time) into the
-    first operand, never in ``a``'s own precision.
+    With ``summed_rows``, ``a`` is 2-D, ``(k, n)``, and its rows are summed into the first operand in the wide
+    dtype, one chunk at a time, never in ``a``'s own precision.
     """
     chunk, dtype = _plan(a)
     rows = a if summed_rows else a.view(1, -1)
