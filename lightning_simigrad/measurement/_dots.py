@@ -15,7 +15,8 @@ do it whatever the number of tensors: the norms of every ``a`` and ``b``, ``b +=
 the sums; the cross term follows from :math:`|a+b|^2 = |a|^2 + 2\,a \cdot b + |b|^2`.
 
 Precision: the norms accumulate in float32 (``dtype=torch.float32`` also for bf16/fp16 gradients, which
-are read without a converted copy) and are squared and summed in float64 (:func:`wide_dtype`). Each
+are read without a converted copy; float64 for float64 gradients) and are squared and summed in float64
+(:func:`wide_dtype`). Each
 norm is then within a few float32 ulps (:math:`\epsilon = 2^{-24}`) of exact, and so is the rounded sum
 :math:`a + b` itself; the cross term recovered by difference is off by about
 :math:`4 \epsilon (|a|^2 + |b|^2)`, so the cosine similarity by about
@@ -44,6 +45,8 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor
+
+from lightning_simigrad import _compat
 
 __all__ = [
     "CPU_CHUNK",
@@ -160,10 +163,12 @@ def gram_and_add_all_(
     device = first.device
     wide = wide_dtype(device)
     pieces = [*a, *a_only, *b, *b_only]
-    norms = list(torch._foreach_norm(pieces, 2, dtype=torch.float32))
+    # float32 accumulation, or float64 where the gradients are float64 (a norm may only widen its input)
+    norm_dtype = torch.float64 if any(t.dtype == torch.float64 for t in pieces) else torch.float32
+    norms = _compat.foreach_norm(pieces, norm_dtype)
     if a:
-        torch._foreach_add_(list(b), list(a))  # the addition plain accumulation does, fused
-        norms += torch._foreach_norm(list(b), 2, dtype=torch.float32)
+        _compat.foreach_add_(list(b), list(a))  # the addition plain accumulation does, fused
+        norms += _compat.foreach_norm(list(b), norm_dtype)
     squares = torch.stack(norms).to(wide).square()
     na, nao, nb, nbo = len(a), len(a_only), len(b), len(b_only)
     ss = squares[: na + nao].sum()

@@ -41,6 +41,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from lightning_simigrad import _compat
 from lightning_simigrad.core.plan import Window
 from lightning_simigrad.core.statistics import HalfStats
 from lightning_simigrad.measurement._dots import gram_and_add_all_
@@ -123,7 +124,7 @@ class WindowHalvesMeasurement:
             else:
                 pairs.append((p.grad, first))
         if pairs:
-            torch._foreach_add_([g for g, _ in pairs], [f for _, f in pairs])
+            _compat.foreach_add_([g for g, _ in pairs], [f for _, f in pairs])
             for _, first in pairs:  # rare (an abandoned window): one call per tensor is fine here
                 _read_on_current_stream(first)
         self._first = []
