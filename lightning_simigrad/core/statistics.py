@@ -66,7 +66,7 @@ class HalfStats:
         """
         if not (self.sq_a > 0 and self.sq_b > 0):  # also False for NaN
             return math.nan
-        return self.dot / (math.sqrt(self.sq_a) * math.sqrt(self.sq_b))  # no overflow of the product
+        return self.dot / math.sqrt(self.sq_a * self.sq_b)
 
     @property
     def grad_sq(self) -> float:
