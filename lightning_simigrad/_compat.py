@@ -21,7 +21,16 @@ from typing import Any
 import lightning
 import torch
 
-__all__ = ["CHECKED_LIGHTNING", "CHECKED_TORCH", "PRIVATE_MEMBERS", "Private", "check", "foreach_mul_"]
+__all__ = [
+    "CHECKED_LIGHTNING",
+    "CHECKED_TORCH",
+    "PRIVATE_MEMBERS",
+    "Private",
+    "check",
+    "foreach_add_",
+    "foreach_mul_",
+    "foreach_norm",
+]
 
 CHECKED_LIGHTNING = "2.6"  # the minor version every member below was read in (pyproject pins it)
 CHECKED_TORCH = "2.14"
@@ -67,6 +76,8 @@ PRIVATE_MEMBERS: tuple[Private, ...] = (
     Private("GradScaler", "_get_scale_async", "reads the loss scale without a host synchronisation", "torch"),
     Private("RandomSampler", "_num_samples", "a RandomSampler of its own length has no regenerable order", "torch"),
     Private("torch", "_foreach_mul_", "rescales a step that fed fewer samples than planned", "torch"),
+    Private("torch", "_foreach_norm", "the halves' norms in one fused op, whatever the number of tensors", "torch"),
+    Private("torch", "_foreach_add_", "re-joins the halves in one fused op, whatever the number of tensors", "torch"),
 )
 
 
@@ -143,6 +154,16 @@ def check(trainer: Any) -> None:
 def foreach_mul_(tensors: list[torch.Tensor], factor: float) -> None:
     """Multiply every tensor in place, in one fused kernel per device and dtype."""
     torch._foreach_mul_(tensors, factor)
+
+
+def foreach_add_(tensors: list[torch.Tensor], others: list[torch.Tensor]) -> None:
+    """``tensors[i] += others[i]`` for every i, in one fused kernel per device and dtype."""
+    torch._foreach_add_(tensors, others)
+
+
+def foreach_norm(tensors: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+    """The 2-norm of every tensor, accumulated and returned in ``dtype``, in one fused kernel per device and dtype."""
+    return list(torch._foreach_norm(tensors, 2, dtype=dtype))
 
 
 def scaler_scale(scaler: Any) -> torch.Tensor | None:

@@ -7,9 +7,12 @@ process group's (short) timeout, and measure correctly again afterwards. Then on
 killed outright: the others must end with an error within seconds, not wait for the timeout.
 """
 
+import copy
+import math
 import os
 import signal
 import time
+import warnings
 from collections.abc import Callable
 
 import pytest
@@ -17,7 +20,9 @@ import torch
 from distributed import run_group, run_ok
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from lightning_simigrad import BatchSizeController
 from lightning_simigrad.measurement import MeasurementError, RankGroupMeasurement, _ddp_hook, _ddp_scalars
+from lightning_simigrad.measurement.rank_groups import MeasurementSkipped
 
 STAGES = ("before the first collective", "between collectives", "in a bucket callback", "in collect()")
 SHORT_TIMEOUT_S = 10.0  # a rank that skipped a collective would leave the others failing after this
@@ -149,3 +154,65 @@ def test_a_killed_rank_ends_the_others_within_seconds(world_size: int, stage: st
         assert message != "(no error)" and "failed" in message, message
         assert elapsed < 30.0, (outcome.rank, elapsed, message)
     assert time.monotonic() - start < LONG_TIMEOUT_S / 2
+
+
+def _out_of_memory() -> None:
+    raise torch.OutOfMemoryError("CUDA out of memory. (injected)")
+
+
+def _out_of_memory_skips(rank: int, world_size: int, stage: str) -> list[tuple[bool, bool, int, int]]:
+    """One rank of group A runs out of memory at ``stage``: every rank's step goes on, unmeasured."""
+    model, measurement = _model(), RankGroupMeasurement()
+    plain = DDP(copy.deepcopy(model.module), bucket_cap_mb=1e-5)  # plain DDP, for the gradients
+    measurement.register(model)
+    for m in (model, plain):  # DDP rebuilds its buckets
+        _step(m, measurement, rank, world_size, armed=False)
+    controller = BatchSizeController(target_similarity=0.5, initial_batch_size=4 * world_size)
+    seen = []
+    for attempt in range(3):  # out of memory on the first, then measured again
+        failing_rank = 1 if world_size >= 4 else 0  # a rank that prepares or finishes products
+        undo = _inject_memory(stage) if attempt == 0 and rank == failing_rank else (lambda: None)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            stats = _step(model, measurement, rank, world_size)
+        undo()
+        _step(plain, measurement, rank, world_size, armed=False)
+        same = all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), plain.parameters(), strict=True))
+        before = controller.batch_size
+        held = controller.update(stats) == before if not stats.is_finite else True
+        skipped = sum(issubclass(w.category, MeasurementSkipped) for w in caught)
+        seen.append((stats.is_finite, same and held, skipped, math.isnan(stats.similarity)))
+    return seen
+
+
+def _inject_memory(stage: str) -> Callable[[], None]:
+    if stage == "preparing":
+        owner, name = _ddp_hook.BucketHook, "_workspace"
+        original = owner._workspace
+
+        def patched(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            _out_of_memory()
+            return original(self, *args, **kwargs)
+    else:
+        owner, name = _ddp_hook.BucketHook, "_finish"
+        original = owner._finish  # type: ignore[assignment]
+
+        def patched(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            _out_of_memory()
+            return original(self, *args, **kwargs)
+
+    setattr(owner, name, patched)
+    return lambda: setattr(owner, name, original)
+
+
+@pytest.mark.timeout(120)  # beside the group's own deadline
+@pytest.mark.parametrize("stage", ["preparing", "finishing"])
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_out_of_memory_in_the_measurement_skips_it_on_every_rank(world_size: int, stage: str) -> None:
+    ranks = run_ok(_out_of_memory_skips, world_size, stage, pg_timeout_s=SHORT_TIMEOUT_S)
+    for rank, seen in enumerate(ranks):
+        finite, intact, warned, nan_similarity = zip(*seen, strict=True)
+        assert finite == (False, True, True), (rank, seen)  # NaN on every rank, then measured again
+        assert nan_similarity[0], (rank, seen)
+        assert all(intact), (rank, seen)  # plain DDP's gradients every time; the controller held
+        assert warned == ((1 if rank == 0 else 0), 0, 0), (rank, seen)  # one warning for the group

@@ -61,3 +61,9 @@ def test_estimators_are_unbiased_and_similarity_matches_theory():
 def test_target_out_of_range(tau):
     with pytest.raises(ValueError, match="target_similarity"):
         equilibrium_batch_size(10, tau)
+
+
+@pytest.mark.parametrize("sq_a, sq_b", [(-1e-30, 4.0), (4.0, -1e-30), (0.0, 4.0), (math.nan, 4.0), (-1.0, -1.0)])
+def test_similarity_of_non_positive_norms_is_nan_never_an_error(sq_a: float, sq_b: float) -> None:
+    # rounding can leave a squared norm measured by difference a few ulps below zero (DDP at W >= 3)
+    assert math.isnan(HalfStats(dot=1.0, sq_a=sq_a, sq_b=sq_b, n_a=2, n_b=2).similarity)

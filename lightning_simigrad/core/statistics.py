@@ -56,9 +56,17 @@ class HalfStats:
 
     @property
     def similarity(self) -> float:
-        """Cosine similarity of the two halves; NaN when either half has no gradient."""
-        denominator = math.sqrt(self.sq_a * self.sq_b)
-        return self.dot / denominator if denominator > 0 else math.nan
+        """Cosine similarity of the two halves; NaN, never an error, unless both squared norms are positive.
+
+        A norm can come out zero (a half without gradient) or, measured by difference under DDP at W >= 3,
+        a few ulps below zero when one group's gradient is nearly nothing.
+
+        >>> HalfStats(dot=1.0, sq_a=-1e-30, sq_b=4.0, n_a=2, n_b=2).similarity
+        nan
+        """
+        if not (self.sq_a > 0 and self.sq_b > 0):  # also False for NaN
+            return math.nan
+        return self.dot / math.sqrt(self.sq_a * self.sq_b)
 
     @property
     def grad_sq(self) -> float:

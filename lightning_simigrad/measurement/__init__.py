@@ -1,7 +1,14 @@
 """Measurements of the two half-batch gradients, one per way of training (see :mod:`.protocol`)."""
 
 from lightning_simigrad.measurement.protocol import Measurement, MeasurementError, loss_scale_of
-from lightning_simigrad.measurement.rank_groups import RankGroupMeasurement
+from lightning_simigrad.measurement.rank_groups import MeasurementSkipped, RankGroupMeasurement
 from lightning_simigrad.measurement.window_halves import WindowHalvesMeasurement
 
-__all__ = ["Measurement", "MeasurementError", "RankGroupMeasurement", "WindowHalvesMeasurement", "loss_scale_of"]
+__all__ = [
+    "Measurement",
+    "MeasurementError",
+    "MeasurementSkipped",
+    "RankGroupMeasurement",
+    "WindowHalvesMeasurement",
+    "loss_scale_of",
+]

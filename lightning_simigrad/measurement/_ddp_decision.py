@@ -15,16 +15,24 @@ HalfStats(dot=8.0, sq_a=16.0, sq_b=4.0, n_a=2, n_b=2)
 Traceback (most recent call last):
 ...
 lightning_simigrad.MeasurementError: SimiGrad's DDP measurement failed on rank 1 (in a gradient ...
+
+A rank that ran out of memory for the measurement (stage ``-1``) is no failure: the step goes unmeasured.
+
+>>> decide([[1.0, 0.0, 0.0, 0.0, 0, 0], [float("nan")] * 4 + [0, -1]], n_a=1, n_b=1, squares=True)
+HalfStats(dot=nan, sq_a=nan, sq_b=nan, n_a=1, n_b=1)
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from lightning_simigrad.core.statistics import HalfStats
 from lightning_simigrad.measurement.protocol import MeasurementError
 
-__all__ = ["STAGES", "decide"]
+__all__ = ["SKIPPED", "STAGES", "decide", "skipped_ranks"]
+
+SKIPPED = -1  # the stage a rank reports when it ran out of memory for the measurement (not a failure)
 
 STAGES = {
     1: "while preparing a gradient bucket, before its collectives",
@@ -41,7 +49,7 @@ def decide(rows: Sequence[Sequence[float]], n_a: int, n_b: int, squares: bool) -
     Raises:
         MeasurementError: if any rank reported a failure or lost a bucket's result.
     """
-    failed = [(rank, int(row[5])) for rank, row in enumerate(rows) if row[5] == row[5] and row[5] != 0]
+    failed = [(rank, int(row[5])) for rank, row in enumerate(rows) if row[5] == row[5] and row[5] not in (0, SKIPPED)]
     if failed:
         ranks = ", ".join(str(rank) for rank, _ in failed)
         where = "; ".join(sorted({STAGES.get(stage, f"stage {stage}") for _, stage in failed}))
@@ -50,6 +58,8 @@ def decide(rows: Sequence[Sequence[float]], n_a: int, n_b: int, squares: bool) -
             "Every rank raises this error at the same step, before the optimizer steps; the original error is "
             f"chained to it on rank {failed[0][0]}."
         )
+    if skipped_ranks(rows):  # the gradients are intact; only this step's statistics are lost
+        return HalfStats(dot=math.nan, sq_a=math.nan, sq_b=math.nan, n_a=n_a, n_b=n_b)
     missing = sum(row[4] for row in rows)
     if missing:
         raise MeasurementError(
@@ -66,3 +76,8 @@ def decide(rows: Sequence[Sequence[float]], n_a: int, n_b: int, squares: bool) -
     n = n_a + n_b
     c_a, c_b = n / n_a, n / n_b  # g_A = c_a u, g_B = c_b o
     return HalfStats(dot=c_a * c_b * uo, sq_a=c_a * c_a * uu, sq_b=c_b * c_b * oo, n_a=n_a, n_b=n_b)
+
+
+def skipped_ranks(rows: Sequence[Sequence[float]]) -> list[int]:
+    """The ranks that ran out of memory for this step's measurement."""
+    return [rank for rank, row in enumerate(rows) if row[5] == SKIPPED]

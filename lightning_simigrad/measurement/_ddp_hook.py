@@ -13,7 +13,10 @@ part that runs inside DDP's backward. For every bucket the hook
 
 A local error in step 2 or 4 never skips a collective and never fails backward: it is recorded on
 the :class:`Round` and travels as NaN to :meth:`RankGroupMeasurement.collect`, where every rank
-raises it together. Only a failed collective (a dead peer, a timeout) fails this rank's backward.
+raises it together -- except an out-of-memory error, which only costs this step's measurement
+(:meth:`Round.skip`): the gradients are untouched, every rank gets NaN statistics, the controller holds
+and training goes on. Only a failed collective (a dead peer, a timeout) fails this rank's backward, and
+only where the backend reports it (gloo; NCCL does not, see ``rank_groups``).
 """
 
 from __future__ import annotations
@@ -86,12 +89,23 @@ class Round:
     device: torch.device | None = None
     partials: dict[int, Tensor] = field(default_factory=dict)
     failure: tuple[int, BaseException] | None = None
+    skipped: tuple[int, BaseException] | None = None  # out of memory: this step goes unmeasured
+    void_gradient: bool = False  # a stand-in received into the bucket: the step must not be used
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def fail(self, stage: int, error: BaseException) -> None:
         with self.lock:
             if self.failure is None:  # the first cause is the one worth reading
                 self.failure = (stage, error)
+
+    def fail_or_skip(self, stage: int, error: BaseException) -> None:
+        """An out-of-memory error skips the measurement (the gradients are intact); anything else fails it."""
+        if isinstance(error, torch.OutOfMemoryError) and not self.void_gradient:
+            with self.lock:
+                if self.skipped is None:
+                    self.skipped = (stage, error)
+        else:
+            self.fail(stage, error)
 
 
 @dataclass
@@ -105,6 +119,9 @@ class _Job:
 
     def hook_stream_tensors(self) -> list[Tensor]:
         return [t for t in (self.own, self.share, self.recv) if t is not None]
+
+    def release(self) -> None:
+        self.own = self.share = self.send = self.recv = None
 
 
 class BucketHook:
@@ -132,17 +149,17 @@ class BucketHook:
         try:
             job = self._prepare(buffer, index)
         except Exception as error:
-            round.fail(PREPARE, error)
+            round.fail_or_skip(PREPARE, error)
             job = None
-        futures = []
+        works = []
         if self.layout.exchanges:
             if job is not None and job.send is not None and job.recv is not None:
                 send, recv = job.send, job.recv
             else:
-                send, recv = self._stand_ins(buffer)
-            futures.append(self._exchange(send, recv, buffer.numel()))
-        futures.append(dist.all_reduce(buffer, group=self.group, async_op=True).get_future())  # type: ignore[union-attr]
-        return self._complete(futures, buffer, round, index, job)
+                send, recv = self._stand_ins(buffer, round)
+            works.append(self._exchange(send, recv, buffer.numel()))
+        works.append(dist.all_reduce(buffer, group=self.group, async_op=True))
+        return self._complete(works, buffer, round, index, job)
 
     def clear(self) -> None:
         self._workspaces = {}
@@ -185,15 +202,14 @@ class BucketHook:
         else:
             assert job.recv is not None
             width = hi - lo
-            u = job.recv[:width]
-            for j in range(1, layout.computing):  # the slices arrived in rank order: sum them in place
-                u.add_(job.recv[j * width : (j + 1) * width])
-            parts[:3] = _dots.gram(u, buffer[lo:hi])
+            # the slices arrived in rank order; u is their sum, taken in float32 or wider chunk by chunk
+            slices = job.recv[: layout.computing * width].view(layout.computing, width)
+            parts[:3] = _dots.gram_of_sum(slices, buffer[lo:hi])
         return parts
 
     # ------------------------------------------------------------------ collectives and streams
 
-    def _exchange(self, send: Tensor, recv: Tensor, numel: int) -> torch.futures.Future[Any]:
+    def _exchange(self, send: Tensor, recv: Tensor, numel: int) -> Any:
         """Group A's reduce-scatter of slices, as an all-to-all over DDP's own group (one communicator)."""
         layout, k = self.layout, self.layout.computing
         slot = layout.slot
@@ -204,26 +220,32 @@ class BucketHook:
             in_sizes = [hi - lo for lo, hi in (layout.bounds(numel, j) for j in range(k))] + pad
             lo, hi = layout.bounds(numel, slot)
             out_sizes = [hi - lo] * k + pad
-        work = dist.all_to_all_single(recv, send, out_sizes, in_sizes, group=self.group, async_op=True)
-        return work.get_future()  # type: ignore[union-attr]
+        return dist.all_to_all_single(recv, send, out_sizes, in_sizes, group=self.group, async_op=True)
 
-    def _stand_ins(self, buffer: Tensor) -> tuple[Tensor, Tensor]:
+    def _stand_ins(self, buffer: Tensor, round: Round) -> tuple[Tensor, Tensor]:
         """Tensors of the agreed sizes for the all-to-all of a bucket whose preparation failed.
 
-        The rank still takes part, so that no other rank waits on it; what it sends and receives is void,
-        and so is this step's gradient (every rank raises before the optimizer uses it). The bucket itself
-        stands in, so a failure to allocate cannot stop the collective.
+        The rank still takes part, so that no other rank waits on it; what it sends and receives is void.
+        It receives into a fresh tensor when one can be had, so the bucket (and this step's gradient) is
+        untouched and the step goes on unmeasured; failing that, the bucket itself stands in, so that a
+        failure to allocate cannot stop the collective, and the step's gradient is void: every rank then
+        raises before the optimizer uses it.
         """
         slot = self.layout.slot
         if slot is None:
             return buffer[:0], buffer[:0]
         lo, hi = self.layout.bounds(buffer.numel(), slot)
         need = self.layout.computing * (hi - lo)
-        recv = buffer[:need] if need <= buffer.numel() else torch.empty(need, dtype=buffer.dtype, device=buffer.device)
+        try:
+            recv = torch.empty(need, dtype=buffer.dtype, device=buffer.device)
+        except torch.OutOfMemoryError as error:
+            round.void_gradient = True
+            round.fail(PREPARE, error)
+            recv = buffer[:need]
         return buffer, recv
 
     def _complete(
-        self, futures: list[torch.futures.Future[Any]], buffer: Tensor, round: Round, index: int, job: _Job | None
+        self, works: list[Any], buffer: Tensor, round: Round, index: int, job: _Job | None
     ) -> torch.futures.Future[Tensor]:
         """The future DDP waits on: done when the collectives and this bucket's arithmetic are.
 
@@ -231,6 +253,12 @@ class BucketHook:
         current (the hook's, under NCCL, where futures complete at issue): the callback below therefore
         switches to the measurement stream itself before waiting on the collectives, and sets the result
         there, so that DDP's wait orders the gradient after the arithmetic that reads the bucket.
+
+        Under NCCL it also waits on the collectives' ``Work`` objects: NCCL keeps a collective's tensors
+        stashed (instead of ``record_stream``) until its watchdog sees it end, and ``Work.wait()`` orders the
+        current stream after the collective and lets go of the stash, so a receive buffer is freed once its
+        products are taken, not when the watchdog next looks (read in torch's sources, not yet run on a GPU).
+        Under gloo, waiting on a ``Work`` from inside a future's callback deadlocks; the future suffices there.
         """
         cuda = buffer.is_cuda
         result: torch.futures.Future[Tensor] = (
@@ -242,9 +270,13 @@ class BucketHook:
             try:
                 with _current(stream):
                     for future in futures:
-                        future.wait()  # re-raises a failed collective; on CUDA: this stream waits for it
+                        future.wait()  # re-raises a failed collective (gloo); on CUDA: this stream waits for it
+                    if nccl:
+                        for work in works:  # lets go of NCCL's stash (see above); the stream order is the same
+                            work.wait()
                     if job is not None:
                         self._finish_into(round, index, job, buffer, stream)
+                        job.release()  # the products are taken: the copies and receive buffers can go
                     result.set_result(buffer)
             except Exception as error:  # a collective failed: that must fail backward, on every rank
                 wrapped = RuntimeError(
@@ -254,6 +286,8 @@ class BucketHook:
                 wrapped.__cause__ = error
                 result.set_exception(wrapped)  # type: ignore[arg-type]
 
+        futures = [work.get_future() for work in works]
+        nccl = self._in_order(buffer)
         torch.futures.collect_all(futures).add_done_callback(done)
         return result.then(_unwrap)
 
@@ -271,12 +305,14 @@ class BucketHook:
                 with round.lock:
                     round.partials[index] = partial
         except Exception as error:
-            round.fail(FINISH, error)
+            round.fail_or_skip(FINISH, error)
 
     def _stream(self, device: torch.device) -> torch.cuda.Stream:
         stream = self._streams.get(device)
         if stream is None:
-            stream = self._streams[device] = torch.cuda.Stream(device=device)
+            # High priority: the default priority draws from the pool of 32 streams that NCCL's internal
+            # stream and Lightning's side stream come from too, and sharing one of them serialises with it.
+            stream = self._streams[device] = torch.cuda.Stream(device=device, priority=-1)
         return stream
 
     def measurement_stream(self, device: torch.device) -> torch.cuda.Stream | None:

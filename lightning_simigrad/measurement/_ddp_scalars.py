@@ -15,13 +15,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_simigrad.measurement import _ddp_decision
 from lightning_simigrad.measurement._ddp_hook import Round
 
-__all__ = ["COLLECT", "NO_BACKWARD", "ROW", "failed_row", "fetch", "gather", "local_row"]
+__all__ = ["COLLECT", "NO_BACKWARD", "ROW", "SKIPPED", "failed_row", "fetch", "gather", "local_row"]
 
 ROW = 6
 COLLECT = 3  # failure stage: building this rank's row in collect(), before the all-gather
 NO_BACKWARD = 4  # collect() after arm() with no synchronising backward in between
+SKIPPED = _ddp_decision.SKIPPED  # not a failure: out of memory for the measurement; the step goes unmeasured
 
 
 def local_row(round: Round, computing: bool, device: torch.device, stream: Any) -> Tensor:
@@ -34,6 +36,8 @@ def local_row(round: Round, computing: bool, device: torch.device, stream: Any) 
         return failed_row(device, NO_BACKWARD)
     if round.failure is not None:
         return failed_row(device, round.failure[0])
+    if round.skipped is not None:
+        return failed_row(device, SKIPPED)
     with round.lock:
         present = [round.partials[i] for i in range(round.num_buckets) if i in round.partials]
     missing = round.num_buckets - len(present) if computing else 0

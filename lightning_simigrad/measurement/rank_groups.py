@@ -64,7 +64,8 @@ read on another stream is marked with ``record_stream`` before it can be freed.
   so NCCL's stream waits for them.
 * **NCCL stream** (the process group's, one per device): the all-to-all, then the all-reduce, of each
   bucket in issue order (one communicator only, so no two communicators ever compete for the GPU).
-* **measurement stream** (one per device, owned by this object): each bucket's products. It waits on the
+* **measurement stream** (one per device, owned by this object, high priority so that it is none of the
+  pooled streams NCCL and Lightning use): each bucket's products. It waits on the
   bucket's collectives (their futures' events); the hook stream's tensors it reads are
   ``record_stream``-ed to it. The future handed to DDP is completed on it, so DDP's copy of the gradient
   waits for the products that read the bucket -- and the backward itself never waits for a collective.
@@ -79,10 +80,17 @@ Every rank issues the same collectives in the same order whatever fails locally.
 a bucket, in a bucket's arithmetic, or in ``collect()`` before its all-gather is recorded, the rank's
 products become NaN, and the failure travels in the all-gathered rows: every rank then raises the same
 :class:`MeasurementError` from ``collect()``, before the optimizer steps (the failing rank chains the
-original error). A bucket whose preparation failed still takes part in the all-to-all, with the bucket
-itself standing in for the buffers it could not make. A collective that fails (a dead rank, a timeout)
-fails the backward of every rank that waits on it; with NCCL that takes the process group's timeout,
-so set ``timeout=`` on the process group (Lightning: ``DDPStrategy(timeout=...)``).
+original error). An out-of-memory error there only skips the step's measurement: the rank's row says so,
+every rank returns NaN statistics (the controller holds), rank 0 warns (:class:`MeasurementSkipped`) and the
+gradients, untouched, are used. A bucket whose preparation failed still takes part in the all-to-all, with a
+fresh receive buffer (or, if even that cannot be had, the bucket itself: then the step's gradient is void and
+every rank raises).
+
+A collective that fails is reported by gloo (a dead peer: within seconds) through the future, and fails the
+backward of every rank that waits on it. NCCL completes a collective's future at issue and reports nothing
+there: a dead or failing peer leaves the survivors blocked at their next host read (``collect()``'s) until the
+process group's timeout, when NCCL's watchdog ends the process. Set ``timeout=`` on the process group
+(Lightning: ``DDPStrategy(timeout=...)``) and let the launcher restart from the last checkpoint.
 
 Memory
 ------
@@ -95,11 +103,13 @@ Extra memory per bucket of :math:`P_b` elements, from the hook until that bucket
 
 So at most one gradient's worth (two under gloo at ``W >= 4``) on group A's ranks, reached only if every
 bucket is in flight at once; on CPU these buffers are kept between windows (fresh pages cost more than the
-copies). Besides: float64 chunk scratch of at most
-:func:`lightning_simigrad.measurement._dots.scratch_bytes` per stream (16 MiB on an accelerator, 2 MiB on CPU),
-and four float64 numbers per bucket.
+copies). A bucket's copy and receive buffer are dropped once its products are taken (under NCCL the hook also
+calls ``Work.wait()``, which releases NCCL's own stash of them). Besides: chunk scratch of at most
+:func:`lightning_simigrad.measurement._dots.scratch_bytes` per stream (16 MiB on a GPU, 2 MiB on CPU), and four
+float64 numbers per bucket.
 """
 
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
@@ -110,11 +120,15 @@ from lightning_simigrad import _compat
 from lightning_simigrad.core.plan import Window
 from lightning_simigrad.core.statistics import HalfStats
 from lightning_simigrad.measurement import _ddp_scalars
-from lightning_simigrad.measurement._ddp_decision import decide
+from lightning_simigrad.measurement._ddp_decision import decide, skipped_ranks
 from lightning_simigrad.measurement._ddp_hook import BucketHook, Layout, Round
 from lightning_simigrad.measurement.protocol import LossScale, MeasurementError, loss_scale_of
 
-__all__ = ["MeasurementError", "RankGroupMeasurement"]
+__all__ = ["MeasurementError", "MeasurementSkipped", "RankGroupMeasurement"]
+
+
+class MeasurementSkipped(UserWarning):
+    """A step went unmeasured (a rank ran out of memory for the measurement); training went on."""
 
 
 class RankGroupMeasurement:
@@ -287,8 +301,9 @@ class RankGroupMeasurement:
             stream = self._buckets.measurement_stream(device) if device.type == "cuda" else None
             row = _ddp_scalars.local_row(round, self._layout.slot is not None, device, stream)
         except Exception as error:
-            round.fail(_ddp_scalars.COLLECT, error)
-            row = _ddp_scalars.failed_row(device, _ddp_scalars.COLLECT)
+            round.fail_or_skip(_ddp_scalars.COLLECT, error)
+            stage = _ddp_scalars.SKIPPED if round.failure is None else _ddp_scalars.COLLECT
+            row = _ddp_scalars.failed_row(device, stage)
         scale = loss_scale_of(loss_scale)
         try:
             rows, scale_value = _ddp_scalars.fetch(_ddp_scalars.gather(row, self._pg, self._world_size), scale)  # type: ignore[arg-type]
@@ -303,6 +318,16 @@ class RankGroupMeasurement:
             stats = decide(rows, n_a, n_b, squares=self._layout.squares)
         except MeasurementError as error:
             raise error from (round.failure[1] if round.failure is not None else None)
+        short = skipped_ranks(rows)
+        if short and self._rank == 0:  # one warning for the whole group, the same on every rank's decision
+            warnings.warn(
+                f"SimiGrad skipped this step's DDP measurement: rank{'s' if len(short) > 1 else ''} "
+                f"{', '.join(map(str, short))} ran out of device memory preparing or finishing it. The gradients "
+                "are plain DDP's, the batch size holds and training goes on. If it recurs, lower "
+                "`max_micro_batch_size` or DDP's `bucket_cap_mb` (the measurement holds up to one bucket more).",
+                MeasurementSkipped,
+                stacklevel=2,
+            )
         return stats.scaled(1.0 / scale_value) if scale_value != 1.0 else stats
 
     # ------------------------------------------------------------------ the measurement protocol

@@ -8,11 +8,11 @@ At the window's midpoint (:meth:`~WindowHalvesMeasurement.start_micro_batch` of 
 measurement takes the accumulated gradient tensors off the parameters (``p.grad = None``: a move, no
 copy), so the second half accumulates on its own -- its first backward even skips the addition plain
 accumulation would do. At the window's last
-backward (:meth:`~WindowHalvesMeasurement.after_backward`) it reads each pair once, chunk by chunk, for
-:math:`s \cdot s`, :math:`s \cdot r`, :math:`r \cdot r` and adds :math:`s` back into the gradient in
-the same pass, so the optimizer steps with exactly :math:`s + r = g`. The halves are kept apart, so
-their products carry no cancellation error; the memory traffic equals the addition that plain
-accumulation does anyway, and the set-aside tensors are the one gradient-sized buffer this costs.
+backward (:meth:`~WindowHalvesMeasurement.after_backward`) it takes the norms of both halves, adds
+:math:`s` back into the gradient (the addition plain accumulation does anyway) and takes the norms of the
+sums, from which :math:`s \cdot s`, :math:`s \cdot r` and :math:`r \cdot r` follow, so the optimizer
+steps with exactly :math:`s + r = g`. The set-aside tensors are the one gradient-sized buffer this costs;
+the extra memory traffic is three reads of the gradient.
 
 This happens after the window's last backward, before a ``GradScaler`` unscales the gradient and checks
 it for overflow, so both halves carry the same loss scale (``collect`` takes it out of the products) and
@@ -20,11 +20,15 @@ an overflow in either half makes the scaler skip the step.
 
 On CUDA everything here runs on the current stream of the training loop, where the backward left the
 gradients. A set-aside tensor was made by the backward's stream, though, and a user's model may run
-parts of its backward on other streams: before such a tensor is dropped (re-joined or restored) it is
-marked as read on the current stream, so the caching allocator cannot reuse its memory while the
-products and the addition that read it are still queued. The products are summed on the device and read
-to the host once, in :meth:`~WindowHalvesMeasurement.collect`, with the loss scale when it is a tensor (one
-host synchronisation).
+parts of its backward on other streams: a set-aside tensor is
+kept until the products have been read to the host (:meth:`~WindowHalvesMeasurement.collect`, with the
+loss scale when it is a tensor: the one host synchronisation), which waits for every op that read it; only
+an abandoned window marks its tensors as read on the current stream (``record_stream``) instead.
+
+The products and the re-joining addition are a constant number of fused multi-tensor ops, whatever the
+number of parameter tensors (:func:`~lightning_simigrad.measurement._dots.gram_and_add_all_`): norms
+accumulated in float32, summed in float64 (float32 on MPS), accurate to about :math:`10^{-6}` in the
+similarity; ``benchmarks/launches.py`` counts the ops.
 
 A window abandoned after its midpoint (:meth:`~WindowHalvesMeasurement.abort`) gets its first half back:
 the gradient is then what plain accumulation leaves, and the next window's ``zero_grad`` clears it.
@@ -37,9 +41,10 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from lightning_simigrad import _compat
 from lightning_simigrad.core.plan import Window
 from lightning_simigrad.core.statistics import HalfStats
-from lightning_simigrad.measurement._dots import gram_and_add_, square
+from lightning_simigrad.measurement._dots import gram_and_add_all_
 from lightning_simigrad.measurement.protocol import LossScale
 
 __all__ = ["WindowHalvesMeasurement"]
@@ -53,6 +58,8 @@ class WindowHalvesMeasurement:
 
     def __init__(self) -> None:
         self._first: list[tuple[Tensor, Tensor]] = []
+        # set-aside tensors the queued products still read, dropped once collect() has read them to the host
+        self._read: list[Tensor] = []
         # the last backward's products [s.s, s.r, r.r] on the device, with n_A, n_B and the window's N
         self._products: tuple[Tensor, int, int, int] | None = None
 
@@ -81,11 +88,13 @@ class WindowHalvesMeasurement:
         self.restore()  # the last micro-batch was skipped: re-join the halves, unmeasured
         measured, self._products = self._products, None
         if measured is None:
+            self._release_read()
             return None
         products, n_a, n_b, total = measured
         if isinstance(loss_scale, Tensor):
             products = torch.cat([products, loss_scale.detach().reshape(1).to(products)])
         values = products.tolist()  # the one host synchronisation
+        self._read = []  # every op that read the set-aside tensors is done: free them, no record_stream needed
         ss, sr, rr = values[:3]
         scale = values[3] if isinstance(loss_scale, Tensor) else float(loss_scale or 1.0)
         fa, fb = total / n_a / scale, total / n_b / scale  # g_A = fa s, g_B = fb r, unscaled
@@ -93,6 +102,7 @@ class WindowHalvesMeasurement:
 
     def abort(self) -> None:
         self.restore()
+        self._release_read()  # the products were never read to the host: mark what they read, then forget it
         self._products = None
 
     def close(self) -> None:
@@ -110,34 +120,51 @@ class WindowHalvesMeasurement:
     @torch.no_grad()
     def restore(self) -> None:
         """Add the first half back without measuring (a window ended early, or teardown)."""
+        pairs = []
         for p, first in self._first:
             if p.grad is None:
                 p.grad = first
             else:
-                p.grad.add_(first)
+                pairs.append((p.grad, first))
+        if pairs:
+            _compat.foreach_add_([g for g, _ in pairs], [f for _, f in pairs])
+            for _, first in pairs:  # rare (an abandoned window): one call per tensor is fine here
                 _read_on_current_stream(first)
         self._first = []
 
     @torch.no_grad()
     def combine(self, params: Sequence[Tensor]) -> Tensor:
-        """``[s.s, s.r, r.r]`` of the two halves as a float64 device tensor; leaves ``p.grad`` holding ``s + r``."""
-        parts = []
+        """``[s.s, s.r, r.r]`` of the two halves as a device tensor; leaves ``p.grad`` holding ``s + r``.
+
+        A constant number of fused ops whatever the number of parameter tensors
+        (:func:`~lightning_simigrad.measurement._dots.gram_and_add_all_`; its docstring argues the precision).
+        The set-aside tensors are kept until :meth:`collect` has read the products to the host: that read
+        waits for every op queued on the current stream, so they can then be freed whatever stream made
+        them, without a ``record_stream`` per tensor.
+        """
+        firsts, seconds, first_only, second_only = [], [], [], []
         aside = set()
-        for p, first in self._first:
+        for p, first in self._first:  # attribute reads only: no ATen op per tensor
             aside.add(id(p))
             if p.grad is None:  # no gradient in the second half
                 p.grad = first
-                ss = square(first)
-                parts.append(torch.stack([ss, torch.zeros_like(ss), torch.zeros_like(ss)]))
+                first_only.append(first)
             else:
-                parts.append(gram_and_add_(first, p.grad))
-                _read_on_current_stream(first)
+                firsts.append(first)
+                seconds.append(p.grad)
         for p in params:  # a gradient only in the second half
             if id(p) not in aside and p.grad is not None:
-                rr = square(p.grad)
-                parts.append(torch.stack([torch.zeros_like(rr), torch.zeros_like(rr), rr]))
-        self._first = []
-        return torch.stack(parts).sum(0) if parts else torch.zeros(3, dtype=torch.float64)
+                second_only.append(p.grad)
+        products = gram_and_add_all_(firsts, seconds, first_only, second_only)
+        self._release_read()
+        self._read, self._first = firsts, []
+        return products
+
+    def _release_read(self) -> None:
+        """Forget set-aside tensors still held for the products' reads, marking them where that is needed."""
+        for first in self._read:
+            _read_on_current_stream(first)
+        self._read = []
 
 
 def _read_on_current_stream(tensor: Tensor) -> None:
