@@ -1,6 +1,6 @@
 """The exact noise scale and similarity at fixed weights, against what ``SimiGrad`` logs there.
 
-    python benchmarks/noise_scale_reference.py                       # the digits CNN, epochs 0,1,5,20: ~10 min
+    python benchmarks/noise_scale_reference.py           # the digits CNN, epochs 0,1,5,8: ~15 min on 2 cores
     python benchmarks/noise_scale_reference.py --epochs 5 --sizes 128 --steps 200
 
 For a model at fixed weights ``w`` and a training set of N samples, the per-sample gradients ``g_i``
@@ -193,15 +193,11 @@ def logged_at_frozen_weights(
     )
     loader = DataLoader(Tensors(x, y), batch_size=batch, shuffle=True, drop_last=True, collate_fn=_as_batch)
     trainer.fit(FrozenClassifier(net), loader)
-    return Logged(
-        [h["noise_scale"] for h in cb.history], [h["similarity"] for h in cb.history], raw.rows
-    )
+    return Logged([h["noise_scale"] for h in cb.history], [h["similarity"] for h in cb.history], raw.rows)
 
 
 # ------------------------------------------------------------------------------------------------- smoothings
-def smoothed(
-    rows: Sequence[tuple[HalfStats, float]], decay: float, normalise: str, finite: bool = True
-) -> list[float]:
+def smoothed(rows: Sequence[tuple[HalfStats, float]], decay: float, normalise: str, finite: bool = True) -> list[float]:
     """The noise scale a smoothing would have logged every step from the same raw statistics.
 
     ``normalise``: ``"ref"`` (each step's estimates in units of the step before's mean |g_half|^2: the library),
@@ -291,7 +287,7 @@ def checkpoints(
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--epochs", default="0,1,5,20", help="checkpoints: epochs of SGD before the weights freeze")
+    parser.add_argument("--epochs", default="0,1,5,8", help="checkpoints: epochs of SGD before the weights freeze")
     parser.add_argument("--sizes", default="32,128,512", help="batch sizes B (halves of B/2)")
     parser.add_argument("--steps", type=int, default=300, help="logged optimizer steps per checkpoint and size")
     parser.add_argument("--draws", type=int, default=2000, help="Monte Carlo windows for the exact similarity")
@@ -329,8 +325,9 @@ def main(argv: list[str] | None = None) -> None:
             sim_err = statistics.stdev(sims) / math.sqrt(len(sims))  # steps' samples are drawn afresh: independent
             z = (sim_mean - cos) / math.hypot(sim_err, cos_err)
             line = (
-                f"{epoch:5d} {batch:5d} {truth.noise_scale:9.1f} {ns:9.1f} +-{ns_err:6.1f} {ns / truth.noise_scale:6.3f}"
-                f"  {cos:8.4f} +-{cos_err:.4f} {closed:7.4f} {sim_mean:8.4f} +-{sim_err:.4f} {z:6.2f}"
+                f"{epoch:5d} {batch:5d} {truth.noise_scale:9.1f} {ns:9.1f} +-{ns_err:6.1f}"
+                f" {ns / truth.noise_scale:6.3f}  {cos:8.4f} +-{cos_err:.4f} {closed:7.4f}"
+                f" {sim_mean:8.4f} +-{sim_err:.4f} {z:6.2f}"
             )
             if nan_share:
                 line += f" (NaN on {nan_share:.0%})"

@@ -262,6 +262,7 @@ def test_an_earlier_writers_noise_averages_are_accepted_and_start_afresh(tmp_pat
     model = Regressor(dropout=0.2)
     resume_with_state(tmp_path, checkpoints / "step=4.ckpt", older_noise_averages(prefix), model)
     assert model.micro_batches  # the resumed fit trained
+
     # ... and a damaged value under the earlier name is refused, naming it
     def damaged(callbacks):
         raw_noise_averages(callbacks)

@@ -142,3 +142,13 @@ def test_a_resume_between_the_shared_windows_plans_the_same_last_window():
     resumed.schedule.batch_size = 5  # the controller has moved since: the planned window is kept
     assert [i for m in resumed for i in m] == order[92:]
     assert [w.total for w in resumed.schedule.current.windows] == [11]
+
+
+def test_after_a_shrink_the_tail_is_taken_whole_rather_than_shared_below_half_the_step_before():
+    (sampler,) = rank_samplers(1, batch_size=52, micro=64)
+    batches = iter(sampler)
+    next(batches)  # the window of 52 (one micro-batch)
+    sampler.schedule.batch_size = 40  # the controller shrinks: 51 left; shares of 26 and 25 would be below 52 / 2
+    rest = list(batches)
+    assert [w.total for w in sampler.schedule.current.windows] == [52, 51]
+    assert sum(len(m) for m in rest) == 51

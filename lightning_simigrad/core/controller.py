@@ -22,16 +22,18 @@ finite-population form. Both are averaged in units of the *previous* step's mean
 - The unit must not be the step's *own* :math:`m` (the former smoothing): :math:`m` is made of the same noisy
   half gradients, so each step is weighed by its own noise and the ratio of the averages is biased, by an amount
   that depends on B and does not vanish however long the memory: -9% to +26% on the digits models at frozen
-  weights (``benchmarks/noise_scale_reference.py --variants`` shows it beside the others, column ``own``). The previous step's :math:`m` comes from
-  other samples, so at fixed weights the weights it gives are independent of the step's estimates and the ratio
-  of the two averages converges to :math:`\\operatorname{tr}\\Sigma / |G|^2` as the memory grows, for every B.
+  weights (``benchmarks/noise_scale_reference.py --variants`` shows it beside the others, column ``own``).
+  The previous step's :math:`m` comes from other samples, so at fixed weights the weights it gives are
+  independent of the step's estimates, and the ratio of the two averages converges to
+  :math:`\\operatorname{tr}\\Sigma / |G|^2` as the memory grows, for every B.
 - A smoothed reference (an EMA of :math:`m`) would lag a shrinking gradient as the raw EMA does. A decay
   counted in samples was not adopted: it lengthens the memory in steps exactly where B is below the noise
-  scale, which is where training needs it to follow a change quickly (``tests/test_controller.py``'s shrinking
-  gradient is such a case). What remains is the ratio of two finite
-  averages: where a step's :math:`|G|^2` estimate is mostly noise (B well below :math:`B_{noise}`, little
-  spread of the noise over directions) the logged value scatters and its mean runs high; a larger
-  ``noise_scale_decay`` is the remedy, at the cost of following training more slowly.
+  scale, which is where training needs it to follow a change quickly (``tests/test_controller.py``'s
+  shrinking gradient is such a case).
+
+What remains is the ratio of two finite averages: where a step's :math:`|G|^2` estimate is mostly noise
+(B well below :math:`B_{noise}`, the noise spread over few directions) the logged value scatters and its
+mean runs high; a larger ``noise_scale_decay`` is the remedy, at the cost of following training more slowly.
 
 Both clamp to ``[min_batch_size, max_batch_size]``, hold still during ``warmup_steps`` and inside a
 ``deadband`` around the target, and ignore non-finite measurements (a mixed-precision overflow).

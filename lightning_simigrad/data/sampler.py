@@ -126,6 +126,7 @@ class AdaptiveBatchSampler(BatchSampler):
         plan = EpochPlan(epoch, end=int(min(data_end, position + max(budget, 0))), planned=position)
         schedule.current = plan
         share: int | None = None  # the epoch's last window: what the window before it left
+        previous = 0  # the window planned before (0: none in this iterator)
         while position < data_end:
             requested = replay.popleft() if replay else schedule.batch_size
             if share is not None:
@@ -138,11 +139,13 @@ class AdaptiveBatchSampler(BatchSampler):
             if take_rest and end == data_end:
                 # the epoch's last two windows share what is left rather than leave the last a sliver; the
                 # request recorded for the last is its share, so that a resumed run plans the same windows
-                shared = tail_window(requested, end - position)
+                shared = tail_window(requested, end - position, previous)
                 if shared != requested:
-                    requested, share = shared, end - position - shared
+                    requested = shared
+                    share = end - position - shared if shared < end - position else None
             window = schedule.plan(end - position, take_small_remainder=take_rest, batch_size=requested)
             budget -= window.total
+            previous = window.total
             plan.append(window, requested)
             plan.planned = position + window.total
             if plan.last_window is None and plan.planned >= plan.end:
