@@ -1,4 +1,7 @@
-"""Why the digits recipe's logged noise scale and its per-step similarity disagree, measured.
+"""Why the digits recipe's logged noise scale and its per-step similarity disagreed, measured.
+
+(Written before the finite-population estimators; ``benchmarks/noise_scale_reference.py`` now compares the
+logged values with the exact ones. The raw-value EMA and ``trace`` printed here are the with-replacement forms.)
 
     python benchmarks/noise_scale_diagnosis.py                 # ~3 minutes on 2 CPU cores
     python benchmarks/noise_scale_diagnosis.py --draws 200 simigrad.max_batch_size=256
@@ -50,8 +53,8 @@ def record_raw_stats(trainer: Any, callback: Any) -> list[dict[str, float]]:
             controller = callback.run.controller
             update = controller.update
 
-            def recording_update(stats: HalfStats, adjust: bool = True) -> int:
-                out = update(stats, adjust)
+            def recording_update(stats: HalfStats, adjust: bool = True, population: float = math.inf) -> int:
+                out = update(stats, adjust, population)
                 rows.append(
                     dict(
                         batch=stats.batch_size,

@@ -227,7 +227,7 @@ class Run:
             _compat.foreach_mul_([p.grad for p in params if p.grad is not None], window.total / fed)
             self.lr_factor = self.factor_for(fed)
         if stats is not None:  # decide
-            next_size = self.controller.update(stats, adjust=self.settings.adjust)
+            next_size = self.controller.update(stats, adjust=self.settings.adjust, population=self.population())
             if self.settings.adjust:
                 self.schedule.batch_size = next_size
         self.schedule.current.commit()  # commit
@@ -301,6 +301,13 @@ class Run:
             self.data.epoch_length, self.data.batch_size, self.world_size, self.limits.limit_train_batches
         )
         return self.data.epoch_length if limit is None else limit
+
+    def population(self) -> float:
+        """The :math:`N` samples every window is drawn from without replacement: the whole epoch's order on all ranks
+        (``limit_train_batches`` takes its first part, still a uniform draw from all of it); ``math.inf`` for an order
+        SimiGrad cannot regenerate (a sampler with replacement, weighted, or the user's own), read as independent
+        draws."""
+        return float(self.data.epoch_length) if self.data.regenerable_order and self.data.epoch_length > 1 else math.inf
 
     def samples_left(self) -> float:
         """Samples the fit may still train: ``max_samples``, and ``max_steps`` counted in B0-steps."""

@@ -5,6 +5,9 @@ this callback adds what a logger alone does not give: W&B charts of ``simigrad/*
 ``simigrad/samples_seen`` (not against the step, whose length varies), the resolved run config,
 and, at the end of fit, one figure of batch size, similarity and LR scale against samples, written
 into the run directory whatever the logger and logged to W&B as an image.
+
+``docs/trace_digits.png`` is this figure for the digits default: ``simigrad-train logger=none
+output_dir=outputs/trace``, then ``outputs/trace/simigrad_trace.png`` copied there.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_only
 from typing_extensions import override
 
-from lightning_simigrad import SimiGrad
+from lightning_simigrad import SimiGrad, equilibrium_batch_size
 
 COLUMNS = [
     "step", "samples_seen", "batch_size", "micro_batch_size", "accumulation",
@@ -42,8 +45,11 @@ def write_csv(history: list[dict[str, float]], path: Path) -> None:
         writer.writerows(history)
 
 
-def plot(history: list[dict[str, float]], path: Path, title: str, target: float | None) -> None:
-    """Three stacked panels against samples seen: batch size (and B_noise), similarity, LR scale."""
+def plot(
+    history: list[dict[str, float]], path: Path, title: str, target: float | None, population: float = math.inf
+) -> None:
+    """Three stacked panels against samples seen: batch size (and B_noise, and B* for the epoch's ``population``),
+    similarity, LR scale."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -59,7 +65,10 @@ def plot(history: list[dict[str, float]], path: Path, title: str, target: float 
     if any(math.isfinite(v) and v > 0 for v in col("noise_scale")):
         axes[0].plot(x, col("noise_scale"), alpha=0.6, label="noise scale $B_{noise}$")
         if target is not None and 0 < target < 1:  # the batch the target asks for
-            b_star = [2 * v * target / (1 - target) for v in col("noise_scale")]
+            b_star = [
+                equilibrium_batch_size(v, target, population) if math.isfinite(v) else math.nan
+                for v in col("noise_scale")
+            ]
             axes[0].plot(x, b_star, "k--", linewidth=0.8, alpha=0.7, label=f"$B^*$ at target {target:g}")
     axes[0].set_yscale("log")
     axes[0].set_ylabel("samples")
@@ -118,7 +127,9 @@ class SimiGradTrace(Callback):
             return
         self.output_dir.mkdir(parents=True, exist_ok=True)
         write_csv(self.history, self.csv_path)
-        plot(self.history, self.png_path, self.title, simigrad.target_similarity if simigrad else None)
+        run = getattr(simigrad, "run", None)
+        population = run.population() if run is not None else math.inf
+        plot(self.history, self.png_path, self.title, simigrad.target_similarity if simigrad else None, population)
         for logger in trainer.loggers:
             if isinstance(logger, WandbLogger):
                 import wandb

@@ -53,10 +53,12 @@ def test_the_state_in_a_checkpoint_is_this_structure(tmp_path):
         "size",
         "measured_steps",
         "similarity_ema",
-        "relative_grad_sq_ema",
-        "relative_trace_sigma_ema",
+        "referenced_grad_sq_ema",
+        "referenced_trace_sigma_ema",
+        "reference",
     ]
-    assert all(len(state["controller"][k]) == 2 for k in list(state["controller"])[2:])  # an EMA: [biased, weight]
+    assert all(len(state["controller"][k]) == 2 for k in list(state["controller"])[2:5])  # an EMA: [biased, weight]
+    assert state["controller"]["reference"] > 0  # the last step's mean |g_half|^2
     # the one step-interval scheduler's steps: at least the first epoch's 13 B0-steps
     assert list(state["progress"]) == ["scheduler_steps"] and len(state["progress"]["scheduler_steps"]) == 1
     assert state["progress"]["scheduler_steps"][0] >= 13

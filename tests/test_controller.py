@@ -1,6 +1,7 @@
 import math
 
 import pytest
+import torch
 
 from lightning_simigrad import BatchSizeController, HalfStats, equilibrium_batch_size
 
@@ -72,10 +73,11 @@ def test_noise_scale_rule_jumps_to_equilibrium():
     c = BatchSizeController(0.8, initial_batch_size=64, rule="noise_scale")
     assert c.update(stats(0.0, noise_scale=300.0)) == round(equilibrium_batch_size(300.0, 0.8))
     assert c.noise_scale == pytest.approx(300.0)
-    # numerator and denominator are smoothed separately, each step's in units of its |g_half|^2 (m), then divided
+    # numerator and denominator are smoothed separately, each step's in units of the step before's |g_half|^2 (m;
+    # the first step's own), then divided
     c.update(stats(0.0, noise_scale=100.0))
-    m1, m2 = 1 + 300 / 50, 1 + 100 / 50
-    assert c.noise_scale == pytest.approx((0.09 * 300 / m1 + 0.1 * 100 / m2) / (0.09 / m1 + 0.1 / m2))
+    m1 = 1 + 300 / 50
+    assert c.noise_scale == pytest.approx((0.09 * 300 / m1 + 0.1 * 100 / m1) / (0.09 / m1 + 0.1 / m1))
 
 
 def scaled_stats(noise_scale: float, grad_sq: float, n: int = 50) -> HalfStats:
@@ -141,3 +143,51 @@ def test_bad_arguments_name_themselves(kwargs, name):
     with pytest.raises(ValueError, match=f"`{name}`") as info:
         BatchSizeController(**args)
     assert str(list(kwargs.values())[-1]) in str(info.value)  # the message shows the bad value
+
+
+def finite_stats(population: int, trace: float, grad_sq: float = 1.0, n: int = 50) -> HalfStats:
+    """Noiseless halves of a finite epoch: E[g_A . g_B] = |G|^2 - tr/(N - 1), E|g_A - g_B|^2 = tr N/(N - 1) (2/n)."""
+    dot = grad_sq - trace / (population - 1)
+    diff_sq = trace * population / (population - 1) * 2 / n
+    sq = (diff_sq + 2 * dot) / 2
+    return HalfStats(dot=dot, sq_a=sq, sq_b=sq, n_a=n, n_b=n)
+
+
+def test_the_finite_population_is_estimated_and_aimed_at():
+    population = 1000
+    c = BatchSizeController(0.5, initial_batch_size=64, rule="noise_scale")
+    c.update(finite_stats(population, trace=300.0), population=population)
+    assert c.noise_scale == pytest.approx(300.0)
+    assert c.batch_size == round(equilibrium_batch_size(300.0, 0.5, population))  # 2 * 300 * 1000 / 699 = 858
+    # the same numbers read as draws with replacement overstate the noise scale by N/(N-1) / (1 - 300/(N-1))
+    c = BatchSizeController(0.5, initial_batch_size=64, rule="noise_scale")
+    c.update(finite_stats(population, trace=300.0))
+    assert c.noise_scale == pytest.approx(300.0 * 1000 / 999 / (1 - 300 / 999), rel=0.05)
+
+
+def test_noise_beyond_the_epoch_grows_the_batch():
+    # B_noise >= N - 1: no batch of the epoch reaches the target, the rule grows by its factor
+    c = BatchSizeController(0.5, initial_batch_size=64, rule="noise_scale")
+    assert c.update(finite_stats(100, trace=150.0), population=100) == round(64 * 1.1)
+    assert c.noise_scale == pytest.approx(150.0)
+
+
+def test_the_smoothing_converges_to_the_truth_at_fixed_weights_for_every_batch_size():
+    # random halves of a finite population with a known noise scale; the mean logged value over many steps must
+    # be the noise scale whatever B. Dividing each step's estimates by its own |g_half|^2 (the former smoothing)
+    # weighs a step by a function of its own noise: a ratio of noisy estimates, biased by B.
+    gen = torch.Generator().manual_seed(0)
+    population, dim = 2000, 400
+    g = torch.randn(population, dim, generator=gen, dtype=torch.float64) * 3.0 + 0.3
+    G = g.mean(0)
+    truth = float(((g - G) ** 2).sum(1).mean() / (G @ G))  # 225 / 36: 250
+    for batch in (32, 512):
+        c = BatchSizeController(0.5, initial_batch_size=batch, noise_scale_decay=0.9)
+        logged = []
+        for step in range(600):
+            perm = torch.randperm(population, generator=gen)[:batch]
+            a, b = g[perm[: batch // 2]].mean(0), g[perm[batch // 2 :]].mean(0)
+            c.update(HalfStats(float(a @ b), float(a @ a), float(b @ b), batch // 2, batch // 2), False, population)
+            if step >= 20:
+                logged.append(c.noise_scale)
+        assert sum(logged) / len(logged) == pytest.approx(truth, rel=0.05), batch

@@ -54,7 +54,7 @@ def test_mixed_precision_measures_in_unscaled_units(precision):
         a, b = flat(step["g_a"]), flat(step["g_b"])
         stats = HalfStats(float(a @ b), float(a @ a), float(b @ b), 8, 8)
         assert row["similarity"] == pytest.approx(stats.similarity, abs=0.02)
-        reference.update(stats, adjust=False)
+        reference.update(stats, adjust=False, population=len(dataset))  # the epoch's N, as the run passes it
     assert reference.measured_steps >= t.global_step - 2
     # B_noise = tr(Sigma) / |G|^2 is not scale-free: a half left scaled by the GradScaler's 2^15 would put it
     # orders of magnitude off

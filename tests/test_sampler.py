@@ -107,3 +107,48 @@ def test_one_process_follows_a_foreign_order():
     assert sum(len(m) for m in AdaptiveBatchSampler(weighted, 5, False, schedule=schedule)) == 103
     sequential = AdaptiveBatchSampler(SequentialSampler(DATA), 5, False, schedule=schedule)
     assert [i for m in sequential for i in m] == DATA
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_the_epochs_last_two_windows_share_a_tail_that_would_be_below_half_a_window(world):
+    samplers = rank_samplers(world, batch_size=20)
+    batches = [list(s) for s in samplers]
+    seen = [i for rank, s in enumerate(samplers) for m, n in zip(batches[rank], _slots(s, rank)) if n for i in m]
+    assert sorted(seen) == DATA  # still every sample once
+    # 103 = 4 x 20 + 23: a window of 20 would leave 3, so the last two share the 23
+    assert [w.total for w in samplers[0].schedule.current.windows] == [20, 20, 20, 20, 12, 11]
+
+
+def _slots(sampler, rank):
+    """This rank's planned sizes, micro-batch by micro-batch (valid once the sampler has been iterated)."""
+    return [w.sizes[j][rank] for w in sampler.schedule.current.windows for j in range(w.num_micro_batches)]
+
+
+def test_a_tail_of_half_a_window_or_more_is_left_alone():
+    (sampler,) = rank_samplers(1, batch_size=30)  # 103 = 3 x 30 + 13: 13 < 15, shared; at 34, 103 = 3 x 34 + 1
+    list(sampler)
+    assert [w.total for w in sampler.schedule.current.windows] == [30, 30, 22, 21]
+    (sampler,) = rank_samplers(1, batch_size=40)  # 103 = 2 x 40 + 23: 23 >= 20, left alone
+    list(sampler)
+    assert [w.total for w in sampler.schedule.current.windows] == [40, 40, 23]
+
+
+def test_a_resume_between_the_shared_windows_plans_the_same_last_window():
+    (whole,) = rank_samplers(1, batch_size=20)
+    order = [i for m in whole for i in m]
+    (resumed,) = rank_samplers(1, batch_size=20)
+    # the checkpoint was written after the first shared window (80 + 12 samples); the last was planned with 11
+    resumed.schedule.resume_from = ResumePoint(0, 92, planned=tuple(whole.schedule.current.requests)[5:])
+    resumed.schedule.batch_size = 5  # the controller has moved since: the planned window is kept
+    assert [i for m in resumed for i in m] == order[92:]
+    assert [w.total for w in resumed.schedule.current.windows] == [11]
+
+
+def test_after_a_shrink_the_tail_is_taken_whole_rather_than_shared_below_half_the_step_before():
+    (sampler,) = rank_samplers(1, batch_size=52, micro=64)
+    batches = iter(sampler)
+    next(batches)  # the window of 52 (one micro-batch)
+    sampler.schedule.batch_size = 40  # the controller shrinks: 51 left; shares of 26 and 25 would be below 52 / 2
+    rest = list(batches)
+    assert [w.total for w in sampler.schedule.current.windows] == [52, 51]
+    assert sum(len(m) for m in rest) == 51

@@ -14,7 +14,11 @@ for a global window of ``n`` samples, the number of micro-batches ``k`` and the 
   one. So the number of micro-batches never rises above what keeps two samples per slot, and an
   epoch's last few samples are not left as a window of their own when they are fewer than
   :func:`min_window` (too few to measure two halves with two samples a slot): the window before them
-  takes them.
+  takes them;
+- an epoch's last two windows share what is left (:func:`tail_window`) where the last would otherwise
+  hold fewer than half the batch asked for: no step is a sliver of the epoch's tail (on the digits
+  recipe the last window fell from ~500 samples to ~20, a noisy step the controller then read), nor
+  below half the step before it from the tail alone.
 
 Pure Python: tested against hand-worked cases in ``tests/test_plan.py``.
 """
@@ -26,7 +30,7 @@ import math
 from dataclasses import dataclass
 from functools import cached_property
 
-__all__ = ["Window", "min_window", "plan_window"]
+__all__ = ["Window", "min_window", "plan_window", "tail_window"]
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,29 @@ def min_window(world_size: int, min_micro_batches: int = 1) -> int:
     (4, 8)
     """
     return 2 * world_size * min_micro_batches
+
+
+def tail_window(batch_size: int, available: int, previous: int = 0) -> int:
+    """The samples the next window asks for, with ``available`` left in the epoch: ``batch_size``, unless the window
+    after it, the epoch's last, would then hold fewer than ``batch_size / 2``; then the two share what is left, the
+    first taking the larger half. Every sample is still fed once: the next window takes the rest.
+
+    Where the controller has just shrunk the batch, the two shares could fall below half of the ``previous``
+    window (the one planned before them); the window then takes all that is left instead (fewer than
+    ``1.5 batch_size`` samples), so that no step is below half the step before it from the tail alone.
+
+    >>> tail_window(500, 10_000), tail_window(500, 520)  # 20 would be left: 260 and 260
+    (500, 260)
+    >>> tail_window(500, 800), tail_window(500, 500)  # 300 >= 250 left; no tail at all
+    (500, 500)
+    >>> tail_window(460, 520, previous=560)  # shares of 260 < 280: one window of 520
+    520
+    """
+    left = available - batch_size
+    if left > 0 and 2 * left < batch_size:
+        shares = available - available // 2
+        return shares if 2 * (available // 2) >= previous else available
+    return batch_size
 
 
 def plan_window(

@@ -25,6 +25,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, Sampler, SequentialSampler
 
 from lightning_simigrad import _compat
+from lightning_simigrad.core.plan import tail_window
 from lightning_simigrad.data.schedule import EpochPlan, WindowSchedule
 
 __all__ = ["AdaptiveBatchSampler", "shuffles", "with_batch_sampler"]
@@ -124,15 +125,27 @@ class AdaptiveBatchSampler(BatchSampler):
         budget = schedule.samples_left()
         plan = EpochPlan(epoch, end=int(min(data_end, position + max(budget, 0))), planned=position)
         schedule.current = plan
+        share: int | None = None  # the epoch's last window: what the window before it left
+        previous = 0  # the window planned before (0: none in this iterator)
         while position < data_end:
             requested = replay.popleft() if replay else schedule.batch_size
+            if share is not None:
+                requested, share = share, None
             if self.drop_last and data_end - position < requested:
                 break  # the data's own tail, smaller than a window
             end = data_end if budget <= 0 else int(min(data_end, position + budget))
             # a remainder drop_last would drop is not folded into the window before it
             take_rest = not (self.drop_last and end == data_end)
+            if take_rest and end == data_end:
+                # the epoch's last two windows share what is left rather than leave the last a sliver; the
+                # request recorded for the last is its share, so that a resumed run plans the same windows
+                shared = tail_window(requested, end - position, previous)
+                if shared != requested:
+                    requested = shared
+                    share = end - position - shared if shared < end - position else None
             window = schedule.plan(end - position, take_small_remainder=take_rest, batch_size=requested)
             budget -= window.total
+            previous = window.total
             plan.append(window, requested)
             plan.planned = position + window.total
             if plan.last_window is None and plan.planned >= plan.end:

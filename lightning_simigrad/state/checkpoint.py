@@ -25,9 +25,10 @@ Format history:
   windows the uninterrupted run would have; and (optional) ``rng``, every rank's random generator states
   (:mod:`lightning_simigrad.state.rng`). Earlier writers of format 1 also saved ``accumulation`` (the micro-batches of
   the last window), which nothing reads: it is no longer written, and ignored where present. They also saved the
-  noise scale's averages of the raw |G|^2 and tr(Sigma) (``grad_sq_ema``, ``trace_sigma_ema``); the controller now
-  keeps them in units of each step's gradient size (``relative_grad_sq_ema``, ``relative_trace_sigma_ema``) and
-  starts those averages afresh from such a checkpoint.
+  noise scale's averages of the raw |G|^2 and tr(Sigma) (``grad_sq_ema``, ``trace_sigma_ema``), later in units of
+  each step's own gradient size (``relative_grad_sq_ema``, ``relative_trace_sigma_ema``); the controller now keeps
+  finite-population estimates in units of the step before's gradient size (``referenced_grad_sq_ema``,
+  ``referenced_trace_sigma_ema``, ``reference``) and starts those averages afresh from such a checkpoint.
 """
 
 from __future__ import annotations
@@ -83,11 +84,14 @@ _CONTROLLER_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "size": (lambda v: _finite_number(v) and v > 0, "a positive number"),
     "measured_steps": (_non_negative_int, "a non-negative int"),
     "similarity_ema": (_ema, "two finite numbers"),
-    "relative_grad_sq_ema": (_ema, "two finite numbers"),
-    "relative_trace_sigma_ema": (_ema, "two finite numbers"),
+    "referenced_grad_sq_ema": (_ema, "two finite numbers"),
+    "referenced_trace_sigma_ema": (_ema, "two finite numbers"),
+    "reference": (lambda v: _finite_number(v) and v >= 0, "a non-negative number"),
 }
-# what earlier writers of format 1 saved instead of the relative averages (checked, then not read)
-_RAW_NOISE_EMAS = {"relative_grad_sq_ema": "grad_sq_ema", "relative_trace_sigma_ema": "trace_sigma_ema"}
+# what earlier writers of format 1 saved instead of the noise scale's averages (checked, then not read): the averages
+# in units of each step's own gradient size, and before them the raw averages
+_NEW_NOISE_FIELDS = ("referenced_grad_sq_ema", "referenced_trace_sigma_ema", "reference")
+_OLD_NOISE_EMAS = (("relative_grad_sq_ema", "relative_trace_sigma_ema"), ("grad_sq_ema", "trace_sigma_ema"))
 _PROGRESS_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "scheduler_steps": (_list_of(_non_negative_int), "a list of non-negative ints"),
 }
@@ -130,9 +134,13 @@ def validate_state(state: Any, where: str) -> dict[str, Any]:
         )
     _check_fields(state, _FIELDS, prefix, "")
     controller_fields = dict(_CONTROLLER_FIELDS)
-    for relative, raw in _RAW_NOISE_EMAS.items():
-        if relative not in state["controller"] and raw in state["controller"]:
-            controller_fields[raw] = controller_fields.pop(relative)
+    if not any(name in state["controller"] for name in _NEW_NOISE_FIELDS):
+        for old in _OLD_NOISE_EMAS:
+            if any(name in state["controller"] for name in old):
+                for name in _NEW_NOISE_FIELDS:
+                    del controller_fields[name]
+                controller_fields.update({name: (_ema, "two finite numbers") for name in old})
+                break
     _check_fields(state["controller"], controller_fields, prefix, "controller.")
     _check_fields(state["progress"], _PROGRESS_FIELDS, prefix, "progress.")
     if state.get("rng") is not None:
