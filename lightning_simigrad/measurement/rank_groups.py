@@ -131,6 +131,15 @@ class MeasurementSkipped(UserWarning):
     """A step went unmeasured (a rank ran out of memory for the measurement); training went on."""
 
 
+def _hook_conflict_message(existing: str) -> str:
+    return (
+        f"The DistributedDataParallel model already has a communication hook ({existing}) and torch "
+        "allows one per model. SimiGrad measures inside its own hook, which averages exactly like "
+        "DDP's default all-reduce: remove the other hook (e.g. `DDPStrategy(ddp_comm_hook=...)`, "
+        "DDP `mixed_precision`), or do not use SimiGrad's DDP measurement with it."
+    )
+
+
 class RankGroupMeasurement:
     """Half-batch gradient statistics of DDP's synchronising backward, measured in a comm hook.
 
@@ -224,14 +233,14 @@ class RankGroupMeasurement:
             )
         existing = _compat.comm_hook_name(ddp_model)
         if existing is not None:
-            raise RuntimeError(self._hook_conflict_message(existing))
+            raise RuntimeError(_hook_conflict_message(existing))
         try:
             ddp_model.register_comm_hook(state=None, hook=self._make_hook())
         except RuntimeError as error:
             if "can only be called once" not in str(error):
                 raise
             _compat.forget_last_comm_hook(ddp_model)  # DDP appended ours before the reducer refused it
-            raise RuntimeError(self._hook_conflict_message("unknown")) from error
+            raise RuntimeError(_hook_conflict_message("unknown")) from error
         parameter = next(ddp_model.parameters(), None)
         self._device = parameter.device if parameter is not None else torch.device("cpu")
         self._model = ddp_model
@@ -355,15 +364,6 @@ class RankGroupMeasurement:
         self._buckets.clear()
 
     # ------------------------------------------------------------------ internals
-
-    @staticmethod
-    def _hook_conflict_message(existing: str) -> str:
-        return (
-            f"The DistributedDataParallel model already has a communication hook ({existing}) and torch "
-            "allows one per model. SimiGrad measures inside its own hook, which averages exactly like "
-            "DDP's default all-reduce: remove the other hook (e.g. `DDPStrategy(ddp_comm_hook=...)`, "
-            "DDP `mixed_precision`), or do not use SimiGrad's DDP measurement with it."
-        )
 
     def _make_hook(self) -> Callable[[object, dist.GradBucket], torch.futures.Future[torch.Tensor]]:
         # DDP checks the hook's annotations as objects: this module must not postpone them (no

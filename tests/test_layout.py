@@ -1,0 +1,90 @@
+"""The library keeps the shape docs/architecture.md draws: layers that import only the layers above, small classes."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "lightning_simigrad"
+
+# what each layer may import from the package (docs/architecture.md, "The layers"); the integration layer, the
+# callback and the package's __init__ may import anything. `_compat` is the table of private members: a leaf.
+MAY_IMPORT = {
+    "core": {"core"},
+    "measurement": {"core", "measurement", "_compat"},
+    "data": {"core", "data", "_compat"},
+    "state": {"core", "data", "state"},
+    "run": {"core", "measurement", "data", "state", "run", "_compat"},
+}
+
+
+def layer_of(path: Path) -> str:
+    relative = path.relative_to(PACKAGE)
+    return relative.parts[0] if len(relative.parts) > 1 else relative.stem
+
+
+def imported_layers(source: str) -> set[str]:
+    """The package's layers a module imports at run time (imports under ``if TYPE_CHECKING:`` are left out)."""
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            parts = node.module.split(".")
+            if parts[0] == "lightning_simigrad":
+                if len(parts) > 1:
+                    found.add(parts[1])
+                else:
+                    found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                parts = alias.name.split(".")
+                if parts[0] == "lightning_simigrad" and len(parts) > 1:
+                    found.add(parts[1])
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(source))
+    return found
+
+
+def test_every_layer_imports_only_the_layers_above_it():
+    offences = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        allowed = MAY_IMPORT.get(layer_of(path))
+        if allowed is None:
+            continue
+        wrong = imported_layers(path.read_text()) - allowed
+        if wrong:
+            offences.append(f"{path.relative_to(PACKAGE)} imports {sorted(wrong)}")
+    assert not offences, offences
+
+
+def test_the_import_scan_finds_what_it_looks_for():
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "from lightning_simigrad.core.plan import Window\n"
+        "from lightning_simigrad import _compat, run\n"
+        "import lightning_simigrad.integration.reporting\n"
+        "def f():\n    from lightning_simigrad.state import rng\n"
+        "if TYPE_CHECKING:\n    from lightning_simigrad.callback import SimiGrad\n"
+    )
+    assert imported_layers(source) == {"core", "_compat", "run", "integration", "state"}
+
+
+@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_no_class_is_over_250_lines(path):
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ClassDef):
+            assert node.end_lineno is not None
+            length = node.end_lineno - node.lineno + 1
+            assert length <= 250, f"{path.name}: class {node.name} has {length} lines"
+
+
+def test_the_callback_module_is_at_most_300_lines():
+    assert len((PACKAGE / "callback.py").read_text().splitlines()) <= 300
