@@ -10,7 +10,7 @@ import os
 import lightning.pytorch as pl
 import torch
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, TensorDataset
 
 
 class IndexedRegression(Dataset):
@@ -134,3 +134,29 @@ class StepRecorder(pl.Callback):
 
 def flat(tensors):
     return torch.cat([t.reshape(-1) for t in tensors])
+
+
+# A problem whose noise scale is known exactly (see test_equilibrium.py): sample i carries v_i = G + sigma xi_i
+# and its loss is w . v_i, so its gradient is v_i whatever w is; |G|^2 = 1 and B_noise = d sigma^2.
+DIM, NOISE_SCALE, SAMPLES = 128, 25.0, 16_000
+
+
+def known_noise_dataset(seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    G = torch.zeros(DIM)
+    G[0] = 1.0
+    sigma = (NOISE_SCALE / DIM) ** 0.5
+    return TensorDataset(G + sigma * torch.randn(SAMPLES, DIM, generator=g))
+
+
+class LinearLoss(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(DIM))
+
+    def training_step(self, batch, batch_idx):
+        (v,) = batch
+        return (v @ self.w).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)  # the gradients do not depend on w anyway

@@ -15,9 +15,8 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import IndexedRegression, Regressor, trainer
+from helpers import NOISE_SCALE, IndexedRegression, LinearLoss, Regressor, known_noise_dataset, trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from test_equilibrium import NOISE_SCALE, LinearLoss, known_noise_dataset
 from torch.utils.data import DataLoader
 
 from lightning_simigrad import SimiGrad, equilibrium_batch_size

@@ -10,36 +10,11 @@ from __future__ import annotations
 
 import statistics
 
-import lightning.pytorch as pl
 import pytest
-import torch
-from helpers import trainer
-from torch.utils.data import DataLoader, TensorDataset
+from helpers import NOISE_SCALE, LinearLoss, known_noise_dataset, trainer
+from torch.utils.data import DataLoader
 
 from lightning_simigrad import SimiGrad, equilibrium_batch_size
-
-DIM, NOISE_SCALE, N = 128, 25.0, 16_000
-
-
-def known_noise_dataset(seed: int = 0) -> TensorDataset:
-    g = torch.Generator().manual_seed(seed)
-    G = torch.zeros(DIM)
-    G[0] = 1.0
-    sigma = (NOISE_SCALE / DIM) ** 0.5
-    return TensorDataset(G + sigma * torch.randn(N, DIM, generator=g))
-
-
-class LinearLoss(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.w = torch.nn.Parameter(torch.zeros(DIM))
-
-    def training_step(self, batch, batch_idx):
-        (v,) = batch
-        return (v @ self.w).mean()
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.0)  # the gradients do not depend on w anyway
 
 
 @pytest.mark.parametrize("controller", ["paper", "noise_scale"])
