@@ -26,6 +26,7 @@ from lightning_simigrad.integration.reporting import METRICS, Reporting
 from lightning_simigrad.integration.spawn_results import Origin
 from lightning_simigrad.measurement.protocol import loss_scale_of
 from lightning_simigrad.measurement.rank_groups import RankGroupMeasurement
+from lightning_simigrad.measurement.sharded_halves import ShardedHalvesMeasurement, check_sharding
 from lightning_simigrad.run import Run
 
 __all__ = ["METRICS", "SimiGrad"]
@@ -153,7 +154,7 @@ class SimiGrad(CallbackState):
         if not self._active:
             self._tuned_from = neighbours.batch_size_before_tuning(trainer, pl_module)
         if self.run is not None:  # a second fit continues the run, measuring on this fit's model
-            self.run.measurement = data_source.measurement_for(trainer.world_size)
+            self.run.measurement = data_source.measurement_for(trainer)
         self._progress.attach(trainer)
 
     def _adapt_dataloader(self, loader: Any) -> Any:
@@ -192,6 +193,8 @@ class SimiGrad(CallbackState):
         # registers there is then found and refused with a clear error, not met by torch's own
         if self.run is not None and isinstance(self.run.measurement, RankGroupMeasurement):
             self.run.measurement.register(trainer.strategy.model)  # type: ignore[arg-type]
+        if self.run is not None and isinstance(self.run.measurement, ShardedHalvesMeasurement):
+            check_sharding(list(pl_module.parameters()), self.run.world_size)  # FSDP2 has sharded them by now
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -152,7 +152,7 @@ class Run:
         self.world_size, self.rank, self.b0 = world_size, rank, initial_batch_size
         self.epoch = epoch
         self.measurement = measurement
-        min_micro_batches = 2 if world_size == 1 else 1  # two halves: two micro-batches, or one per rank
+        min_micro_batches = measurement.min_micro_batches  # two halves: in time, or two groups of ranks
         args = settings.controller_args(initial_batch_size, min_batch_size=world_size * min_micro_batches)
         if args["max_batch_size"] is not None and args["max_batch_size"] < args["min_batch_size"]:
             raise ValueError(

@@ -19,6 +19,8 @@ from lightning_simigrad.state.resume import Restart, Stage
 class Scripted:
     """A measurement that hands back the statistics it is given, one per collected window, and logs its calls."""
 
+    min_micro_batches = 2  # measured like one process: the window's halves in time
+
     def __init__(self, *stats: HalfStats | None) -> None:
         self.stats = list(stats)
         self.calls: list[tuple] = []

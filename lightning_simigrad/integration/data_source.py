@@ -13,13 +13,19 @@ from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.connectors.data_connector import _DataLoaderSource
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, SequentialSampler
 
 from lightning_simigrad.core.settings import Settings
 from lightning_simigrad.data.sampler import AdaptiveBatchSampler, shuffles, with_batch_sampler
-from lightning_simigrad.measurement import Measurement, RankGroupMeasurement, WindowHalvesMeasurement
+from lightning_simigrad.measurement import (
+    Measurement,
+    RankGroupMeasurement,
+    ShardedHalvesMeasurement,
+    WindowHalvesMeasurement,
+)
 from lightning_simigrad.run import Data, Limits, Run
 from lightning_simigrad.state.resume import Restart
 
@@ -27,6 +33,7 @@ __all__ = [
     "AdaptiveDataSource",
     "adaptive_loader",
     "data_of",
+    "data_parallel",
     "epoch_being_trained",
     "limits_of",
     "measurement_for",
@@ -132,7 +139,7 @@ def start_run(
     B0 is the checkpoint's, or the one given, or the DataLoader's batch (before a ``BatchSizeFinder`` tuned it) x
     world size x ``accumulate_grad_batches``.
     """
-    world = trainer.world_size
+    world, rank = data_parallel(trainer)
     state = restart.state if restart is not None and restart.state is not None else {}
     per_device = tuned_from or loader.batch_size
     assert per_device is not None
@@ -143,17 +150,27 @@ def start_run(
         data_of(loader, order),
         limits,
         world,
-        trainer.global_rank,
+        rank,
         seed,
         initial_batch_size,
         epoch=lambda: epoch_being_trained(trainer),
-        measurement=measurement_for(world),
+        measurement=measurement_for(trainer),
         restart=restart,
         warn=rank_zero_warn,
         info=rank_zero_info,
     )
 
 
-def measurement_for(world_size: int) -> Measurement:
-    """The measurement of a fit on ``world_size`` data-parallel ranks."""
-    return WindowHalvesMeasurement() if world_size == 1 else RankGroupMeasurement()
+def data_parallel(trainer: pl.Trainer) -> tuple[int, int]:
+    """The number of data-parallel ranks and this process's rank among them (each feeds its own samples)."""
+    if isinstance(trainer.strategy, ModelParallelStrategy):  # tensor-parallel ranks would share their samples
+        kwargs = trainer.strategy.distributed_sampler_kwargs
+        return int(kwargs["num_replicas"]), int(kwargs["rank"])
+    return trainer.world_size, trainer.global_rank
+
+
+def measurement_for(trainer: pl.Trainer) -> Measurement:
+    """The measurement of a fit as ``trainer`` trains it."""
+    if isinstance(trainer.strategy, ModelParallelStrategy):
+        return ShardedHalvesMeasurement()
+    return WindowHalvesMeasurement() if trainer.world_size == 1 else RankGroupMeasurement()

@@ -27,7 +27,7 @@ from lightning.pytorch.callbacks import (
     LearningRateFinder,
     LearningRateMonitor,
 )
-from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Strategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy, Strategy
 from lightning.pytorch.utilities.parsing import lightning_getattr
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch.utils.data import DataLoader, IterableDataset
@@ -50,12 +50,23 @@ def refuse_unsupported(trainer: pl.Trainer, pl_module: pl.LightningModule, max_m
             " this LightningModule sets `automatic_optimization = False`. Use automatic optimization."
         )
     strategy: Strategy = trainer.strategy
-    if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) or strategy.handles_gradient_accumulation:
+    served = (SingleDeviceStrategy, DDPStrategy, ModelParallelStrategy)
+    if not isinstance(strategy, served) or strategy.handles_gradient_accumulation:
         raise RuntimeError(
-            f"SimiGrad supports a single device and DDP (`strategy='ddp'`, 'ddp_spawn', ...); the Trainer uses"
-            f" `{type(strategy).__name__}`. DeepSpeed and FSDP shard or accumulate gradients themselves, where the"
-            " half-batch gradients cannot be measured. Use `strategy='ddp'`."
+            f"SimiGrad supports a single device, DDP (`strategy='ddp'`, 'ddp_spawn', ...) and FSDP2 through"
+            f" `ModelParallelStrategy`; the Trainer uses `{type(strategy).__name__}`. DeepSpeed accumulates"
+            " gradients itself and FSDP1 (`FSDPStrategy`) is not supported yet, where the half-batch gradients"
+            " cannot be measured. Use `strategy='ddp'`, or `ModelParallelStrategy(tensor_parallel_size=1)` with"
+            " `fully_shard` applied in `configure_model`."
         )
+    if isinstance(strategy, ModelParallelStrategy):
+        tensor_parallel = strategy.device_mesh["tensor_parallel"].size()
+        if tensor_parallel != 1:
+            raise RuntimeError(
+                f"SimiGrad under `ModelParallelStrategy` supports data parallelism with FSDP2 only; this one has"
+                f" `tensor_parallel_size={tensor_parallel}`. Tensor parallelism is not supported yet: use"
+                " `ModelParallelStrategy(data_parallel_size=..., tensor_parallel_size=1)`."
+            )
     if is_param_in_hook_signature(pl_module.training_step, "dataloader_iter", explicit=True):
         raise RuntimeError(
             "SimiGrad plans every micro-batch of a step, so `training_step` must take the batch Lightning gives it;"

@@ -2,6 +2,7 @@
 
 from lightning_simigrad.measurement.protocol import Measurement, MeasurementError, loss_scale_of
 from lightning_simigrad.measurement.rank_groups import MeasurementSkipped, RankGroupMeasurement
+from lightning_simigrad.measurement.sharded_halves import ShardedHalvesMeasurement
 from lightning_simigrad.measurement.window_halves import WindowHalvesMeasurement
 
 __all__ = [
@@ -9,6 +10,7 @@ __all__ = [
     "MeasurementError",
     "MeasurementSkipped",
     "RankGroupMeasurement",
+    "ShardedHalvesMeasurement",
     "WindowHalvesMeasurement",
     "loss_scale_of",
 ]

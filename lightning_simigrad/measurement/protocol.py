@@ -17,9 +17,11 @@ and :meth:`~Measurement.close` when the fit ends. The implementations:
 - :class:`~lightning_simigrad.measurement.window_halves.WindowHalvesMeasurement`: one process, the window's
   two halves in time;
 - :class:`~lightning_simigrad.measurement.rank_groups.RankGroupMeasurement`: DDP, two groups of ranks,
-  inside the communication hook.
+  inside the communication hook;
+- :class:`~lightning_simigrad.measurement.sharded_halves.ShardedHalvesMeasurement`: FSDP2, the window's
+  halves in time on every rank's gradient shards.
 
-A new measurement (sharded gradients, a fused device kernel) implements these five methods; the run and the
+A new measurement (a fused device kernel, say) implements these five methods and ``min_micro_batches``; the run and the
 callback do not change. Every measurement reads the loss scale the same way, through :func:`loss_scale_of`.
 """
 
@@ -49,6 +51,8 @@ MeasurementError.__module__ = "lightning_simigrad"  # exported there; tracebacks
 @runtime_checkable
 class Measurement(Protocol):
     """Measures the half-batch gradients of each window (see the module docstring for the call order)."""
+
+    min_micro_batches: int  # the fewest micro-batches per rank a window needs for two halves
 
     def start_micro_batch(self, window: Window, index: int, params: Sequence[Tensor]) -> None:
         """Micro-batch ``index`` of ``window`` is about to run its forward and backward."""

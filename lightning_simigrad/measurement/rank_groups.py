@@ -167,6 +167,8 @@ class RankGroupMeasurement:
         stats = measurement.collect(loss_scale=scaler)  # HalfStats, identical on all ranks
     """
 
+    min_micro_batches = 1  # the halves are two groups of ranks: one micro-batch per rank suffices
+
     def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(

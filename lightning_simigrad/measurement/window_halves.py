@@ -56,6 +56,8 @@ class WindowHalvesMeasurement:
     Implements :class:`~lightning_simigrad.measurement.protocol.Measurement`.
     """
 
+    min_micro_batches = 2  # two halves in time
+
     def __init__(self) -> None:
         self._first: list[tuple[Tensor, Tensor]] = []
         # set-aside tensors the queued products still read, dropped once collect() has read them to the host
@@ -127,9 +129,10 @@ class WindowHalvesMeasurement:
             else:
                 pairs.append((p.grad, first))
         if pairs:
-            _compat.foreach_add_([g for g, _ in pairs], [f for _, f in pairs])
+            storage = self.storage
+            _compat.foreach_add_([storage(g) for g, _ in pairs], [storage(f) for _, f in pairs])
             for _, first in pairs:  # rare (an abandoned window): one call per tensor is fine here
-                _read_on_current_stream(first)
+                _read_on_current_stream(storage(first))
         self._first = []
 
     @torch.no_grad()
@@ -155,10 +158,19 @@ class WindowHalvesMeasurement:
         for p in params:  # a gradient only in the second half
             if id(p) not in aside and p.grad is not None:
                 second_only.append(p.grad)
+        storage = self.storage
+        firsts, seconds, first_only, second_only = (
+            [storage(t) for t in pieces] for pieces in (firsts, seconds, first_only, second_only)
+        )
         products = gram_and_add_all_(firsts, seconds, first_only, second_only)
         self._release_read()
         self._read, self._first = firsts, []
         return products
+
+    @staticmethod
+    def storage(grad: Tensor) -> Tensor:
+        """The tensor a gradient's values live in, which the products read and the re-joining adds into."""
+        return grad
 
     def _release_read(self) -> None:
         """Forget set-aside tensors still held for the products' reads, marking them where that is needed."""
