@@ -50,17 +50,53 @@ def _reference(model: nn.Module, pieces: list[tuple[torch.Tensor, torch.Tensor]]
     return torch.cat([p.grad.reshape(-1) for p in copy.parameters()])
 
 
-def _shard(world: int) -> nn.Module:
+def _shard(world: int, bf16: bool = False) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     model = _model()
     mesh = init_device_mesh("cpu", (world,))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    kwargs = {"mp_policy": policy} if policy is not None else {}
     for layer in model:
         if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+            fully_shard(layer, mesh=mesh, **kwargs)
+    fully_shard(model, mesh=mesh, **kwargs)
     return model
+
+
+def _accumulate(rank: int, world: int, model: nn.Module, window: Window, micro_batches: range, data) -> torch.Tensor:
+    """The full gradient a sharded model accumulates over ``micro_batches`` of the window (no measurement)."""
+    for j in micro_batches:
+        x, y = data[j][rank]
+        (_loss(model, x, y) * world / window.total).backward()
+    return torch.cat([p.grad.full_tensor().reshape(-1) for p in model.parameters()]).double()
+
+
+def _mixed_precision(rank: int, world: int) -> dict:
+    """bf16 compute, fp32 reduction: the statistics against the half sums FSDP2 itself accumulates."""
+    window = Window(tuple(row[:world] for row in SIZES))
+    data, split = _data(world), window.half_split()
+    s = _accumulate(rank, world, _shard(world, bf16=True), window, range(split), data)
+    r = _accumulate(rank, world, _shard(world, bf16=True), window, range(split, window.num_micro_batches), data)
+    model = _shard(world, bf16=True)
+    params, measurement, fed = list(model.parameters()), ShardedHalvesMeasurement(), [0, 0]
+    for j in range(window.num_micro_batches):
+        measurement.start_micro_batch(window, j, params)
+        x, y = data[j][rank]
+        (_loss(model, x, y) * world / window.total).backward()
+        fed[j >= split] += sum(window.sizes[j])
+        measurement.after_backward(window, j, (fed[0], fed[1]), params)
+    stats = measurement.collect(loss_scale=None)
+    joined = torch.cat([p.grad.full_tensor().reshape(-1) for p in params]).double()
+    n_a, n_b = fed
+    g_a, g_b = s * window.total / n_a, r * window.total / n_b
+    return dict(
+        stats=(stats.dot, stats.sq_a, stats.sq_b),
+        reference=(float(g_a @ g_b), float(g_a @ g_a), float(g_b @ g_b)),
+        dtypes={str(p.grad.dtype) for p in params},
+        join_error=float((joined - (s + r)).norm() / (s + r).norm()),
+    )
 
 
 def _window(rank: int, world: int, fail_on: int | None = None) -> dict:
@@ -116,6 +152,15 @@ def test_sharded_halves_equal_float64_references_and_leave_the_mean_gradient(wor
             assert measured == pytest.approx(exact, rel=1e-5)
         # the optimizer gets the mean over exactly the window's samples, as plain FSDP2 accumulation gives it
         assert result["grad_error"] < 1e-6
+
+
+@pytest.mark.timeout(120)
+def test_bf16_compute_with_fp32_reduction_measures_the_halves_fsdp_accumulated():
+    for result in run_ok(_mixed_precision, 2, deadline_s=90):
+        assert result["dtypes"] == {"torch.float32"}  # the reduce dtype, where the products are taken
+        for measured, exact in zip(result["stats"], result["reference"]):
+            assert measured == pytest.approx(exact, rel=1e-5)
+        assert result["join_error"] < 1e-6  # the optimizer steps on first half + second half, as plain FSDP2
 
 
 @pytest.mark.timeout(120)
