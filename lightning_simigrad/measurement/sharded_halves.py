@@ -100,6 +100,10 @@ class ShardedHalvesMeasurement(WindowHalvesMeasurement):
             self._first = []
             self._products = None
 
+    def abort(self) -> None:
+        super().abort()
+        self._failure = None  # every rank abandons the window alike: nothing of it is reported
+
     def collect(self, loss_scale: LossScale) -> HalfStats | None:
         self.restore()
         measured, self._products = self._products, None
