@@ -1,13 +1,14 @@
 r"""References to check SimiGrad against: every step's gradient is the mean of exactly its samples.
 
 One harness for the project's tests, ``benchmarks/gpu_check.py`` and users who want to see it on their own
-model, on one process or on any number of DDP ranks:
+model, on one process, on any number of DDP ranks, or under FSDP2 (``fully_shard`` with Lightning's
+``ModelParallelStrategy``):
 
 - :class:`StepAudit`, a Lightning callback placed after :class:`~lightning_simigrad.SimiGrad`: at every optimizer
   step it gathers the samples every rank fed, recomputes the mean loss's gradient over exactly those samples on a
   copy of the module, and records the relative error of the gradient the optimizer is about to apply, whether
   every rank holds the same gradient, and the cosine similarity of the two halves' reference gradients (the
-  window's halves in time on one process, the two rank groups under DDP);
+  window's halves in time on one process and under FSDP2, the two rank groups under DDP);
 - for a hand-built DDP model without Lightning: :func:`run_window` accumulates one window with SimiGrad's loss
   weights, :func:`reference_halves` recomputes :math:`g_A \cdot g_B`, :math:`|g_A|^2`, :math:`|g_B|^2` in
   float64 from every rank's local gradient, :func:`relative_error` compares a measurement with them;
@@ -27,7 +28,9 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 __all__ = ["AuditedStep", "HostSyncs", "StepAudit", "flat_grad", "reference_halves", "relative_error", "run_window"]
@@ -38,7 +41,7 @@ class AuditedStep:
     """One optimizer step as :class:`StepAudit` saw it."""
 
     per_rank: list[list[int]]  # the samples each rank fed (zero-weight padding samples left out)
-    halves: tuple[list[int], list[int]]  # the samples of half A and half B
+    halves: tuple[list[int], list[int]]  # the samples of half A and half B, every rank's
     grad_rel_error: float  # |g - g_ref| / |g_ref| for the gradient the optimizer applies
     ranks_identical: bool  # every rank holds bitwise the same gradient
     similarity: float  # cos(g_A, g_B) of the halves' reference gradients (NaN without two halves)
@@ -55,7 +58,10 @@ class StepAudit(pl.Callback):
         indices: the dataset indices of a micro-batch.
         mean_loss: the mean loss of ``module`` (a deep copy of the LightningModule) over the samples ``indices``.
 
-    Every rank must run it (it gathers the samples and gradients of all ranks at every step).
+    Every rank must run it (it gathers the samples and gradients of all ranks at every step). Under FSDP2 the
+    gradient compared is the full one (``DTensor.full_tensor``), the reference module an unsharded copy of the
+    LightningModule taken in ``setup`` (before ``configure_model`` shards it, so its parameters must exist by
+    then) into which each step loads the full parameters, and the world the data-parallel group.
     """
 
     def __init__(
@@ -67,6 +73,12 @@ class StepAudit(pl.Callback):
         self.steps: list[AuditedStep] = []
         self._pending: list[int] = []  # the micro-batch started, until its backward has run
         self._fed: tuple[list[int], list[int]] = ([], [])  # this rank's samples of the window, by half in time
+        self._unsharded: pl.LightningModule | None = None  # under FSDP2: the module as it was before it was sharded
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit" and isinstance(trainer.strategy, ModelParallelStrategy):  # before `configure_model`
+            keep = {id(trainer): trainer, id(pl_module.device_mesh): pl_module.device_mesh}  # shared, not copied
+            self._unsharded = copy.deepcopy(pl_module, memo=keep)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
         simigrad = _simigrad(trainer)
@@ -83,24 +95,31 @@ class StepAudit(pl.Callback):
         self._fed = ([], [])  # a window abandoned at the epoch's end is dropped, as Lightning drops its gradient
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        world = trainer.world_size
+        world = _data_parallel_size(trainer)
+        simigrad = _simigrad(trainer)
+        # the halves in time (one process, FSDP2) or the rank groups (DDP); a plain fit: rank groups when distributed
+        measurement = simigrad.run.measurement if simigrad is not None and simigrad.run is not None else None
+        in_time = getattr(measurement, "min_micro_batches", 2 if world == 1 else 1) == 2
         mine = [*self._fed[0], *self._fed[1]]
-        per_rank, grads = [mine], flat_grad(pl_module)
-        gathered = [grads]
+        per_rank, grads = [mine], torch.cat([_full(g).reshape(-1) for g in _with_grad(pl_module)])
+        gathered, halves = [grads], (list(self._fed[0]), list(self._fed[1]))
         if world > 1:
-            per_rank = [[] for _ in range(world)]
-            dist.all_gather_object(per_rank, mine)
+            fed: list[Any] = [None] * world
+            dist.all_gather_object(fed, self._fed)
+            per_rank = [[*a, *b] for a, b in fed]
             gathered = [torch.empty_like(grads) for _ in range(world)]
             dist.all_gather(gathered, grads)
-            group_a = [i for r in per_rank[: world // 2] for i in r]  # group A: the first floor(W / 2) ranks
-            halves = (group_a, [i for r in per_rank[world // 2 :] for i in r])
-        else:
-            halves = (list(self._fed[0]), list(self._fed[1]))
+            if in_time:
+                halves = ([i for a, _ in fed for i in a], [i for _, b in fed for i in b])
+            else:  # group A: the first floor(W / 2) ranks
+                group_a = [i for r in per_rank[: world // 2] for i in r]
+                halves = (group_a, [i for r in per_rank[world // 2 :] for i in r])
         self._fed = ([], [])
-        reference = self._gradient(pl_module, [i for r in per_rank for i in r])
+        source = self._reference_module(pl_module)
+        reference = self._gradient(source, [i for r in per_rank for i in r])
         similarity = math.nan
         if halves[0] and halves[1]:
-            g_a, g_b = self._gradient(pl_module, halves[0]), self._gradient(pl_module, halves[1])
+            g_a, g_b = self._gradient(source, halves[0]), self._gradient(source, halves[1])
             similarity = float(g_a @ g_b / (g_a.norm() * g_b.norm()))
         self.steps.append(
             AuditedStep(
@@ -112,11 +131,35 @@ class StepAudit(pl.Callback):
             )
         )
 
-    def _gradient(self, pl_module: pl.LightningModule, indices: list[int]) -> torch.Tensor:
-        model = copy.deepcopy(pl_module)
+    def _reference_module(self, pl_module: pl.LightningModule) -> pl.LightningModule:
+        """The module to compute reference gradients on: the LightningModule, or its unsharded copy under FSDP2
+        with the full parameters loaded (a collective: every rank runs it, in the same order)."""
+        if self._unsharded is None:
+            return pl_module
+        state = {name: _full(value).detach() for name, value in pl_module.state_dict().items()}
+        self._unsharded.load_state_dict(state)
+        return self._unsharded
+
+    def _gradient(self, module: pl.LightningModule, indices: list[int]) -> torch.Tensor:
+        model = copy.deepcopy(module)
         model.zero_grad()
         self.mean_loss(model, indices).backward()
         return flat_grad(model)
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value (a collective), or the tensor itself."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _with_grad(module: nn.Module) -> list[torch.Tensor]:
+    return [p.grad for p in module.parameters() if p.grad is not None]
+
+
+def _data_parallel_size(trainer: pl.Trainer) -> int:
+    """The data-parallel ranks (under a device mesh, fewer than ``trainer.world_size``)."""
+    kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
+    return int(kwargs.get("num_replicas", trainer.world_size))
 
 
 def _simigrad(trainer: pl.Trainer) -> Any:

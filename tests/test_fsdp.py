@@ -1,0 +1,250 @@
+"""SimiGrad under FSDP2: ``fully_shard`` in ``configure_model`` and Lightning's ``ModelParallelStrategy`` (gloo, CPU).
+
+The processes are started by :func:`distributed.run_ok` (real gloo groups, under a deadline) and Lightning treats
+them as launched externally (:func:`fsdp_modules.as_external_process`). Each rank returns what it saw: SimiGrad's
+history and the reference harness's audit of every step (:class:`~lightning_simigrad.testing.StepAudit`: the full
+gradient against the float64 mean over exactly the step's samples, on an unsharded copy of the module, and the
+reference similarity of the window's two halves in time).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import statistics
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+from distributed import run_ok
+from fsdp_modules import FSDPRegressor, LinearLayerLoss, PartlyShardedRegressor, as_external_process, strategy
+from helpers import NOISE_SCALE, SAMPLES, IndexedRegression, known_noise_dataset, trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader
+
+from lightning_simigrad import SimiGrad, equilibrium_batch_size
+from lightning_simigrad.testing import StepAudit
+
+N = 150  # samples in the exactness runs' epoch
+
+
+def batch_indices(batch) -> list[int]:
+    return batch[0].tolist()
+
+
+class RegressionLoss:
+    """The mean loss of a Regressor over given samples of a dataset."""
+
+    def __init__(self, dataset: IndexedRegression) -> None:
+        self.dataset = dataset
+
+    def __call__(self, model, indices):
+        return model.loss(self.dataset.x[indices], self.dataset.y[indices])
+
+
+def same(a, b) -> bool:
+    """Equal, NaN equal to NaN (the ranks' values come back pickled, as distinct NaN objects)."""
+    return json.dumps(a) == json.dumps(b)
+
+
+def simigrad_of(trainer: pl.Trainer) -> SimiGrad:
+    return next(c for c in trainer.callbacks if isinstance(c, SimiGrad))
+
+
+# ---------------------------------------------------------------------------------------------- exactness
+def _audited_fit(rank: int, world: int) -> dict:
+    as_external_process(rank, world)
+    dataset = IndexedRegression(N)
+    audit = StepAudit(indices=batch_indices, mean_loss=RegressionLoss(dataset))
+    cb = SimiGrad(target_similarity=0.9, max_micro_batch_size=5)
+    t = trainer(devices=world, strategy=strategy(world), max_epochs=2, callbacks=[cb, audit])
+    t.fit(FSDPRegressor(), DataLoader(dataset, batch_size=5, shuffle=True))
+    return dict(
+        history=cb.history,
+        steps=[dataclasses.asdict(step) for step in audit.steps],
+        measurement=type(cb.run.measurement).__name__,
+        min_micro_batches=cb.run.measurement.min_micro_batches,
+    )
+
+
+def check_exact_steps(ranks: list[dict], world: int) -> None:
+    history = ranks[0]["history"]
+    assert all(same(r["history"], history) for r in ranks)  # every rank took the same decisions
+    assert ranks[0]["measurement"] == "ShardedHalvesMeasurement" and ranks[0]["min_micro_batches"] == 2
+    steps = ranks[0]["steps"]
+    assert len(steps) == len(history)
+    assert len({h["batch_size"] for h in history}) > 2  # the batch moved
+    assert min(h["batch_size"] for h in history) >= 2 * world  # two micro-batches per rank at least
+    for step, row in zip(steps, history):
+        every = step["samples"]  # every rank's samples of the step
+        assert len(every) == len(set(every)) == row["batch_size"]
+        assert step["ranks_identical"]
+        assert step["grad_rel_error"] < 1e-6, step["grad_rel_error"]  # float64 throughout
+        assert len(step["halves"][0]) + len(step["halves"][1]) == row["batch_size"]
+        if math.isfinite(row["similarity"]):
+            assert row["similarity"] == pytest.approx(step["similarity"], abs=1e-5)
+    assert sum(math.isfinite(h["similarity"]) for h in history) >= len(history) - 2  # only tiny tails unmeasured
+    # each sample once per epoch across all ranks
+    seen = [i for s in steps for i in s["samples"]]
+    assert sorted(seen) == sorted(list(range(N)) * 2)
+    epoch_end = next(k for k in range(len(steps)) if history[k]["samples_seen"] == N)
+    assert sorted(i for s in steps[: epoch_end + 1] for i in s["samples"]) == list(range(N))
+
+
+@pytest.mark.timeout(150)
+def test_fsdp_steps_are_exact_and_measure_the_halves_in_time():
+    check_exact_steps(run_ok(_audited_fit, 2, deadline_s=120), 2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_fsdp_steps_are_exact_on_four_ranks():
+    check_exact_steps(run_ok(_audited_fit, 4, deadline_s=360), 4)
+
+
+# ---------------------------------------------------------------------------------------------- equilibrium
+TARGET = 0.8
+
+
+def _equilibrium_fit(rank: int, world: int) -> list[dict]:
+    as_external_process(rank, world)
+    pl.seed_everything(0)  # the shuffling order (unseeded runs settled at 0.93 to 1.02 B*)
+    # max_steps counts optimizer steps here (not steps of B0 samples): 150 steps, whatever their size
+    cb = SimiGrad(target_similarity=TARGET, max_micro_batch_size=256, schedule_by_samples=False)
+    t = trainer(devices=world, strategy=strategy(world), max_steps=150, max_epochs=-1, callbacks=[cb])
+    t.fit(LinearLayerLoss(), DataLoader(known_noise_dataset(), batch_size=16, shuffle=True))
+    return cb.history
+
+
+@pytest.mark.timeout(150)
+def test_fsdp_batch_size_settles_at_the_equilibrium():
+    ranks = run_ok(_equilibrium_fit, 2, deadline_s=120)
+    history = ranks[0]
+    assert all(same(r, history) for r in ranks)
+    expected = equilibrium_batch_size(NOISE_SCALE, TARGET, population=SAMPLES)
+    assert history[0]["batch_size"] == 32  # B0: 16 per rank
+    settled = statistics.median(h["batch_size"] for h in history[-60:])
+    assert 0.85 * expected <= settled <= 1.15 * expected, (settled, expected)
+    assert history[-1]["noise_scale"] == pytest.approx(NOISE_SCALE, rel=0.2)
+
+
+# ---------------------------------------------------------------------------------------------- resume
+STOP = 5  # optimizer steps the interrupted fit trains, inside its first epoch
+RESUME_N = 203
+
+
+class Record(pl.Callback):
+    """After SimiGrad: the samples this rank fed in every step; stops the fit after ``stop`` steps."""
+
+    def __init__(self, stop: int | None = None) -> None:
+        self.stop = stop
+        self.fed: list[int] = []
+        self.steps: list[dict] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if simigrad_of(trainer).local_samples:  # 0: a zero-weight padding sample
+            self.fed += batch[0].tolist()
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.steps.append(dict(epoch=simigrad_of(trainer).schedule.current.epoch, samples=self.fed))
+        self.fed = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.stop is not None and trainer.global_step == self.stop:
+            trainer.should_stop = True  # after the checkpoint callback (listed before) has saved this step
+
+
+def _resumable_fit(rank: int, world: int, out: Path, stop: int | None, ckpt_path: Path | None) -> dict:
+    as_external_process(rank, world)
+    pl.seed_everything(0)
+    cb = SimiGrad(target_similarity=0.9, max_batch_size=120, max_micro_batch_size=6)
+    record = Record(stop)
+    checkpoint = ModelCheckpoint(dirpath=out, filename="{step}", every_n_train_steps=STOP, save_top_k=-1)
+    t = trainer(
+        devices=world,
+        strategy=strategy(world),
+        max_epochs=2,
+        enable_checkpointing=True,
+        callbacks=[cb, checkpoint, record],
+    )
+    t.fit(FSDPRegressor(), DataLoader(IndexedRegression(RESUME_N), batch_size=4, shuffle=True), ckpt_path=ckpt_path)
+    return dict(history=cb.history, steps=record.steps)
+
+
+def steps_of(ranks: list[dict]) -> list[dict]:
+    """Every step with the samples of all ranks together."""
+    assert all(same(r["history"], ranks[0]["history"]) for r in ranks)  # every rank took the same decisions
+    return [
+        dict(epoch=per_rank[0]["epoch"], samples=[i for s in per_rank for i in s["samples"]])
+        for per_rank in zip(*(r["steps"] for r in ranks), strict=True)
+    ]
+
+
+def interrupted(out: Path, world: int) -> tuple[Path, list[dict]]:
+    """A fit stopped after STOP steps with a (distributed) checkpoint written there, inside the first epoch."""
+    ranks = run_ok(_resumable_fit, world, out, STOP, None, deadline_s=120)
+    path = out / f"step={STOP}.ckpt"
+    assert path.is_dir()  # ModelParallelStrategy's sharded checkpoint
+    assert ranks[0]["history"][-1]["samples_seen"] < RESUME_N  # inside the first epoch
+    return path, ranks
+
+
+@pytest.mark.timeout(240)
+def test_fsdp_mid_epoch_resume_continues_the_same_run(tmp_path):
+    whole = run_ok(_resumable_fit, 2, tmp_path / "whole", None, None, deadline_s=120)
+    path, part = interrupted(tmp_path / "part", 2)
+    resumed = run_ok(_resumable_fit, 2, tmp_path / "resumed", None, path, deadline_s=120)
+    before, after, history = part[0]["history"], resumed[0]["history"], whole[0]["history"]
+    assert len(before) == STOP
+    assert same(before, history[:STOP])
+    assert [h["batch_size"] for h in after] == [h["batch_size"] for h in history[STOP:]]
+    for key in history[0]:  # similarity, noise scale, learning rate, samples seen, ...: row for row
+        rest = [h[key] for h in history[STOP:]]
+        assert [h[key] for h in after] == pytest.approx(rest, abs=1e-9, nan_ok=True), key
+    assert steps_of(part) + steps_of(resumed) == steps_of(whole)  # the same samples, step for step
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("world,resumed_world", [(2, 4), (4, 2)])
+def test_fsdp_checkpoint_resumes_on_another_number_of_ranks(tmp_path, world, resumed_world):
+    path, part = interrupted(tmp_path / "part", world)
+    resumed = run_ok(_resumable_fit, resumed_world, tmp_path / "resumed", None, path, deadline_s=240)
+    before, after = steps_of(part), steps_of(resumed)
+    history = resumed[0]["history"]
+    # the rest of the first epoch and the whole second one, every sample once across the new ranks
+    for epoch in (0, 1):
+        assert sorted(i for s in before + after if s["epoch"] == epoch for i in s["samples"]) == list(range(RESUME_N))
+    assert len(history) == len(after)
+    assert all(len(s["samples"]) == h["batch_size"] for s, h in zip(after, history, strict=True))
+    assert history[0]["step"] == STOP
+    assert history[0]["samples_seen"] == part[0]["history"][-1]["samples_seen"] + history[0]["batch_size"]
+    assert min(h["batch_size"] for h in history) >= 2 * resumed_world  # two micro-batches per rank at least
+    assert len({h["batch_size"] for h in history}) > 2  # the controller keeps adapting on the new ranks
+
+
+# ---------------------------------------------------------------------------------------------- refusals
+def _refused_fit(rank: int, world: int, case: str) -> tuple[str, int]:
+    as_external_process(rank, world)
+    if case == "tensor parallel":
+        module, parallel = FSDPRegressor(), strategy(world, tensor_parallel_size=2)
+    else:
+        module, parallel = PartlyShardedRegressor(), strategy(world)
+    t = trainer(devices=world, strategy=parallel, callbacks=[SimiGrad(target_similarity=0.8)])
+    try:
+        t.fit(module, DataLoader(IndexedRegression(32), batch_size=4))
+    except RuntimeError as error:
+        return str(error), len(module.micro_batches)
+    return "", len(module.micro_batches)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "case,message",
+    [("tensor parallel", "tensor_parallel_size=2"), ("parameter left plain", "Apply `fully_shard` to the root")],
+)
+def test_what_fsdp_measurement_cannot_serve_is_refused_before_the_first_step(case, message):
+    for error, trained in run_ok(_refused_fit, 2, case, deadline_s=90):
+        assert message in error
+        assert trained == 0
