@@ -166,6 +166,13 @@ def foreach_norm(tensors: list[torch.Tensor], dtype: torch.dtype) -> list[torch.
     return list(torch._foreach_norm(tensors, 2, dtype=dtype))
 
 
+def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, group: Any = None) -> None:
+    """Every rank's ``tensor``, concatenated into ``output`` in rank order (torch 2.14 renamed
+    ``all_gather_into_tensor``, deprecated there, to ``all_gather_single``)."""
+    gather = getattr(torch.distributed, "all_gather_single", None) or torch.distributed.all_gather_into_tensor
+    gather(output, tensor, group=group)
+
+
 def scaler_scale(scaler: Any) -> torch.Tensor | None:
     """A GradScaler's scale tensor as it is on the device (None before its first step), read without a sync."""
     return scaler._get_scale_async() if hasattr(scaler, "_get_scale_async") else None

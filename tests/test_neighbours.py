@@ -75,7 +75,7 @@ def test_manual_optimization_is_refused():
 
 
 def test_a_strategy_that_accumulates_itself_is_refused():
-    fit_expecting_error("DeepSpeed accumulates gradients itself", strategy=HandlesAccumulation(device=torch.device("cpu")))
+    fit_expecting_error("DeepSpeed accumulates", strategy=HandlesAccumulation(device=torch.device("cpu")))
 
 
 def test_fsdp_is_refused():

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from distributed import run_group, run_ok
 from torch import nn
 
 from lightning_simigrad import MeasurementError, Window
 from lightning_simigrad.measurement import Measurement, ShardedHalvesMeasurement
 from lightning_simigrad.measurement.sharded_halves import check_sharding
-from tests.distributed import run_group, run_ok
 
 pytest.importorskip("torch.distributed.fsdp")
 

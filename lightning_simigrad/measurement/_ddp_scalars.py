@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_simigrad import _compat
 from lightning_simigrad.measurement import _ddp_decision
 from lightning_simigrad.measurement._ddp_hook import Round
 
@@ -64,7 +65,7 @@ def failed_row(device: torch.device, stage: int) -> Tensor:
 def gather(row: Tensor, group: dist.ProcessGroup, world_size: int) -> Tensor:
     """Every rank's row, in rank order: a ``(world_size, ROW)`` tensor, identical on every rank."""
     out = torch.empty(world_size * ROW, dtype=row.dtype, device=row.device)
-    dist.all_gather_into_tensor(out, row, group=group)
+    _compat.all_gather_into(out, row, group=group)
     return out.view(world_size, ROW)
 
 

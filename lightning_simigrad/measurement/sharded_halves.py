@@ -58,6 +58,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_simigrad import _compat
 from lightning_simigrad.core.statistics import HalfStats
 from lightning_simigrad.measurement.protocol import LossScale, MeasurementError, loss_scale_of
 from lightning_simigrad.measurement.window_halves import WindowHalvesMeasurement
@@ -147,7 +148,7 @@ class ShardedHalvesMeasurement(WindowHalvesMeasurement):
         device = _collective_device(self._pg, row.device)
         out = torch.empty(world * _ROW, dtype=torch.float64, device=device)
         try:
-            dist.all_gather_into_tensor(out, row.to(device), group=self._pg)
+            _compat.all_gather_into(out, row.to(device), group=self._pg)
         except Exception as error:
             raise RuntimeError(
                 f"The all-gather of SimiGrad's FSDP measurement failed ({type(error).__name__}: {error}). A rank "
