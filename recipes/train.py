@@ -127,6 +127,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     optimizer = instantiate(cfg.optimizer)
     scheduler = instantiate(cfg.scheduler) if cfg.get("scheduler") else None
     model = instantiate(cfg.model, optimizer=optimizer, scheduler=scheduler, **datamodule.model_kwargs())
+    _check_sharding(cfg, model)
 
     run_name = f"{cfg.name}-{_simigrad_label(cfg)}-seed{cfg.seed}"
     resolved = OmegaConf.to_container(cfg, resolve=True)
@@ -156,6 +157,19 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if trainer.is_global_zero:
         _report(run_name, result)
     return result
+
+
+def _check_sharding(cfg: DictConfig, model: pl.LightningModule) -> None:
+    """``trainer=fsdp`` needs a module that shards itself in ``configure_model`` (the BERT recipes' does)."""
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    strategy = cfg.trainer.get("strategy")
+    target = strategy.get("_target_", "") if isinstance(strategy, DictConfig) else str(strategy)
+    if target.endswith(("ModelParallelStrategy", "FSDP2Strategy")) and not is_overridden("configure_model", model):
+        raise RecipeError(
+            f"trainer=fsdp: {type(model).__name__} does not shard itself (no configure_model); "
+            "the BERT recipes do (experiment=bert_tiny_pydoc, bert_tiny_stdlib, bert_large_pretrain)"
+        )
 
 
 def _report(run_name: str, result: dict[str, Any]) -> None:

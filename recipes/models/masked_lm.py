@@ -1,7 +1,14 @@
-"""BERT masked-LM pretraining LightningModule: ``transformers.BertForMaskedLM`` built from a config."""
+"""BERT masked-LM pretraining LightningModule: ``transformers.BertForMaskedLM`` built from a config.
+
+Under ``trainer=fsdp`` (Lightning's ``ModelParallelStrategy``, ``recipes/strategies.py``) the module shards itself in
+``configure_model``: ``fully_shard`` on every encoder layer, then on the whole module (embeddings, the tied MLM head
+and the last LayerNorms form the root's unit). FSDP2 gathers a unit's parameters around that unit's ``forward``, so
+``training_step`` and ``validation_step`` go through ``forward``. Every other strategy sees the unsharded module.
+"""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import lightning.pytorch as pl
@@ -9,7 +16,9 @@ import torch
 from torch import nn
 from transformers import BertConfig, BertForMaskedLM
 
+from lightning_simigrad_recipes.errors import RecipeError
 from lightning_simigrad_recipes.models.common import OptimizerFactory, SchedulerFactory, configure
+from lightning_simigrad_recipes.optim import ShardedLamb
 
 
 class MaskedLM(pl.LightningModule):
@@ -44,13 +53,31 @@ class MaskedLM(pl.LightningModule):
         self.scheduler_interval = scheduler_interval
         self.decay_norm_and_bias = decay_norm_and_bias
 
-    def _step(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, int]:
-        hidden = self.bert.bert(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"))[0]
+    def configure_model(self) -> None:
+        """Under ``ModelParallelStrategy``: ``fully_shard`` per encoder layer, then the root, over the data mesh."""
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        strategy = getattr(self._trainer, "strategy", None)
+        if not isinstance(strategy, ModelParallelStrategy) or getattr(self, "fully_sharded", False):
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]  # type: ignore[index]
+        for layer in self.bert.bert.encoder.layer:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self, mesh=mesh)
+        self.fully_sharded = True
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None = None) -> Any:
+        """The logits at the masked positions and their target tokens."""
+        hidden = self.bert.bert(input_ids=input_ids, attention_mask=attention_mask)[0]
         # The vocabulary projection only where a token is to be predicted (15%): the loss is the same as
         # BertForMaskedLM's over all positions, and on a small model that projection is most of the work.
-        masked = batch["labels"] != -100
-        targets = batch["labels"][masked]
-        logits = self.bert.cls(hidden[masked])
+        masked = labels != -100
+        return self.bert.cls(hidden[masked]), labels[masked]
+
+    def _step(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, int]:
+        logits, targets = self(batch["input_ids"], batch["labels"], batch.get("attention_mask"))
         loss = nn.functional.cross_entropy(logits, targets)
         correct = (logits.argmax(-1) == targets).float().mean()
         return loss, correct, len(batch["input_ids"])
@@ -66,4 +93,26 @@ class MaskedLM(pl.LightningModule):
         self.log("val/mlm_acc", acc, sync_dist=True, batch_size=n)
 
     def configure_optimizers(self) -> Any:
-        return configure(self, self.optimizer, self.scheduler, self.scheduler_interval, self.decay_norm_and_bias)
+        optimizer = self.optimizer
+        if getattr(self, "fully_sharded", False):
+            optimizer = _for_sharded_parameters(optimizer)
+        return configure(self, optimizer, self.scheduler, self.scheduler_interval, self.decay_norm_and_bias)
+
+
+def _for_sharded_parameters(optimizer: OptimizerFactory) -> OptimizerFactory:
+    """``pytorch_optimizer.Lamb`` cannot take norms of FSDP2's DTensors: the same LAMB, sharded (recipes/optim.py)."""
+    func = getattr(optimizer, "func", None)
+    if func is None or f"{func.__module__}.{func.__qualname__}".split(".")[0] != "pytorch_optimizer":
+        return optimizer
+    if func.__name__ != "Lamb":
+        raise RecipeError(
+            f"trainer=fsdp: pytorch_optimizer.{func.__name__} does not support sharded parameters;"
+            " use optimizer=lamb, adamw or sgd"
+        )
+    keywords = dict(optimizer.keywords)  # type: ignore[attr-defined]
+    unsupported = set(keywords) - {"lr", "betas", "weight_decay", "eps"}
+    if unsupported:
+        raise RecipeError(
+            f"trainer=fsdp: the sharded LAMB takes lr, betas, weight_decay and eps, not {sorted(unsupported)}"
+        )
+    return functools.partial(ShardedLamb, *optimizer.args, **keywords)  # type: ignore[attr-defined]
