@@ -20,7 +20,10 @@ time against plain DDP and against the paper's communication pattern.
 With one GPU, also two processes with gloo on CUDA tensors of that GPU (the measurement stream, CUDA futures
 and ``record_stream`` without NCCL). With two GPUs or more, also a Lightning ``strategy="ddp"`` fit through
 ``SimiGrad`` in ``16-mixed`` and ``bf16-mixed`` (Lightning builds DDP under a side stream of its own, so the
-hook runs on another stream than ``collect()``; ``gpu_check_fit.py`` beside this file).
+hook runs on another stream than ``collect()``; ``gpu_check_fit.py`` beside this file), and a Lightning
+``ModelParallelStrategy`` (FSDP2) fit on every GPU, ``fully_shard`` per layer then the root, float64, with every
+step audited by ``lightning_simigrad.testing.StepAudit``: the gradient applied against the mean loss over exactly
+the samples the step fed, the logged similarity against the reference similarity of the window's halves in time.
 
 Every property it could not check on this machine gets a row too, ``SKIPPED``, with the reason.
 
@@ -37,6 +40,7 @@ import contextlib
 import copy
 import datetime
 import json
+import math
 import multiprocessing
 import os
 import queue
@@ -612,6 +616,177 @@ def check_lightning_ddp(device: str, world: int, quick: bool, deadline_s: float 
     return rows
 
 
+# ----------------------------------------------------------------------------------- Lightning's FSDP2
+
+FSDP_CHECK = "Lightning ModelParallelStrategy (FSDP2)"
+
+
+def _fsdp_fit(rank: int, world: int, device: torch.device, quick: bool) -> dict[str, Any]:
+    """A float64 FSDP2 fit through SimiGrad, every step audited against a one-process reference (StepAudit)."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from torch.distributed.fsdp import fully_shard
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_simigrad import SimiGrad
+    from lightning_simigrad.testing import StepAudit
+
+    n = 128 if quick else 512
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 16, generator=gen, dtype=torch.float64)
+    y = torch.sin(x[:, :4]) + 0.5 * torch.randn(n, 4, generator=gen, dtype=torch.float64)
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4))
+            self.net.double()
+
+        def configure_model(self) -> None:  # fully_shard per layer, then the root
+            if not getattr(self, "fully_sharded", False):
+                mesh = self.device_mesh["data_parallel"]
+                for layer in self.net[::2]:
+                    fully_shard(layer, mesh=mesh)
+                fully_shard(self, mesh=mesh)
+                self.fully_sharded = True
+
+        def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+            return self.net(inputs)
+
+        def loss(self, indices: torch.Tensor) -> torch.Tensor:
+            where = next(self.net.parameters()).device
+            indices = indices.cpu()
+            return nn.functional.mse_loss(self(x[indices].to(where)), y[indices].to(where))
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return self.loss(batch[0])
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+    def mean_loss(module: nn.Module, indices: list[int]) -> torch.Tensor:
+        return module.to(device).loss(torch.tensor(indices))  # type: ignore[operator]
+
+    audit = StepAudit(indices=lambda batch: batch[0].tolist(), mean_loss=mean_loss)
+    simigrad = SimiGrad(target_similarity=0.9, max_micro_batch_size=8, progress_bar=False)
+    trainer = pl.Trainer(
+        accelerator="gpu" if device.type == "cuda" else "cpu",
+        devices=world,
+        num_nodes=1,
+        strategy=ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1),
+        max_epochs=1 if quick else 2,
+        callbacks=[simigrad, audit],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(Module(), DataLoader(TensorDataset(torch.arange(n)), batch_size=8, shuffle=True))
+    history = list(simigrad.history)
+    measured = [
+        abs(h["similarity"] - s.similarity)
+        for h, s in zip(history, audit.steps)
+        if math.isfinite(h["similarity"]) and math.isfinite(s.similarity)
+    ]
+    return {
+        "steps": len(history),
+        "audited": len(audit.steps),
+        "measured": len(measured),
+        "similarity_error": max(measured, default=math.nan),
+        "grad_error": max((s.grad_rel_error for s in audit.steps), default=math.nan),
+        "identical": all(s.ranks_identical for s in audit.steps),
+        "batches_match": all(len(s.samples) == h["batch_size"] for h, s in zip(history, audit.steps)),
+        "batch_sizes": [int(h["batch_size"]) for h in history],
+        "history": [[h["batch_size"], h["similarity"]] for h in history],
+        "measurement": type(simigrad.run.measurement).__name__ if simigrad.run is not None else None,
+    }
+
+
+def _fsdp_worker(rank: int, world: int, port: int, device_type: str, quick: bool, out: Any) -> None:
+    """One rank, launched here and joined to the group before Lightning runs (Lightning then skips its launch)."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), RANK=str(rank),
+        WORLD_SIZE=str(world), NODE_RANK="0",
+    )  # fmt: skip
+    cuda = device_type == "cuda"
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(1)
+    timeout = datetime.timedelta(seconds=60 if quick else 120)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world, timeout=timeout)
+    try:
+        try:
+            result = _fsdp_fit(rank, world, device, quick)
+        except Exception as err:  # a refusal or a fault of the package is a row, not a traceback
+            out.put([{"error": f"rank {rank}: {type(err).__name__}: {str(err).splitlines()[0][:200]}"}])
+            return
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, result)
+        if rank == 0:
+            out.put(gathered)
+    finally:
+        dist.destroy_process_group()
+
+
+def check_fsdp(device: str, world: int, quick: bool, deadline_s: float = 300.0) -> list[Row]:
+    """A Lightning ModelParallelStrategy fit (fully_shard per layer, then the root) through SimiGrad, float64,
+    every step audited: the gradient applied against the mean loss over exactly the samples the step fed, and the
+    logged similarity against the reference similarity of the window's two halves in time."""
+    check = f"{FSDP_CHECK}, {world} {device} processes: gradients and similarity = reference"
+    context = multiprocessing.get_context(START_METHOD)
+    out = context.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    processes = [
+        context.Process(target=_fsdp_worker, args=(rank, world, port, device, quick, out), daemon=True)
+        for rank in range(world)
+    ]
+    for process in processes:
+        process.start()
+    gathered, deadline = None, time.monotonic() + deadline_s
+    while time.monotonic() < deadline and gathered is None:
+        with contextlib.suppress(queue.Empty):
+            gathered = out.get(timeout=1.0)
+        if gathered is None and not any(p.is_alive() for p in processes) and out.empty():
+            break
+    for process in processes:
+        process.join(timeout=30)
+        if process.is_alive():
+            process.kill()
+    if gathered is None:
+        codes = [p.exitcode for p in processes]
+        return [Row(check, "FAIL", f"no result within {deadline_s:.0f} s (a hang or a crash); exit codes {codes}")]
+    if "error" in gathered[0]:
+        return [Row(check, "FAIL", gathered[0]["error"])]
+    first = gathered[0]
+    same = all(json.dumps(r["history"]) == json.dumps(first["history"]) for r in gathered)
+    ok = (
+        same
+        and first["steps"] > 0
+        and first["audited"] == first["steps"]
+        and first["batches_match"]
+        and first["identical"]
+        and first["grad_error"] < 1e-6  # float64 throughout
+        and first["measured"] >= max(1, first["steps"] - 2)  # only an epoch's short tail goes unmeasured
+        and first["similarity_error"] < 1e-5
+    )
+    sizes = first["batch_sizes"]
+    ranks = "identical" if same and first["identical"] else "DIFFER"
+    return [
+        Row(
+            check,
+            "PASS" if ok else "FAIL",
+            f"{first['steps']} steps ({first['measured']} measured, {first['measurement']}), batch"
+            f" {min(sizes, default=0)}..{max(sizes, default=0)}; rel. error {first['grad_error']:.1e},"
+            f" similarity {first['similarity_error']:.1e}; ranks {ranks}",
+        )
+    ]
+
+
 # ----------------------------------------------------------------------------------- what was not checked
 
 
@@ -628,6 +803,7 @@ def skipped_rows(device: str, world: int) -> list[Row]:
         rows.append(Row("DDP on NCCL: stream race held back, soak, step time", "SKIPPED", why))
         for precision in FIT_PRECISIONS:
             rows.append(Row(f"Lightning strategy='ddp', {precision}", "SKIPPED", why))
+        rows.append(Row(f"{FSDP_CHECK} on NCCL: gradients and similarity = reference", "SKIPPED", why))
     if device == "cuda" and world >= 2:
         rows.append(
             Row(f"{2} processes, gloo on one GPU", "SKIPPED", "run on one-GPU nodes only; NCCL checked instead")
@@ -662,6 +838,7 @@ def run(device: str, quick: bool, world: int) -> list[Row]:
     if world >= 2:
         rows += check_ddp(device, world, quick)
         rows += check_lightning_ddp(device, world, quick)
+        rows += check_fsdp(device, world, quick)
     elif device == "cuda":
         rows += check_ddp(device, 2, quick, one_device=True)
     return rows + skipped_rows(device, world)
