@@ -24,11 +24,12 @@ def as_external_process(rank: int, world_size: int) -> None:
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world_size), NODE_RANK="0")
 
 
-def strategy(world_size: int, tensor_parallel_size: int = 1) -> ModelParallelStrategy:
+def strategy(world_size: int, tensor_parallel_size: int = 1, **kwargs) -> ModelParallelStrategy:
     return ModelParallelStrategy(
         data_parallel_size=world_size // tensor_parallel_size,
         tensor_parallel_size=tensor_parallel_size,
         process_group_backend="gloo",
+        **kwargs,
     )
 
 

@@ -155,7 +155,9 @@ class Record(pl.Callback):
             trainer.should_stop = True  # after the checkpoint callback (listed before) has saved this step
 
 
-def _resumable_fit(rank: int, world: int, out: Path, stop: int | None, ckpt_path: Path | None) -> dict:
+def _resumable_fit(
+    rank: int, world: int, out: Path, stop: int | None, ckpt_path: Path | None, sharded: bool = True
+) -> dict:
     as_external_process(rank, world)
     pl.seed_everything(0)
     cb = SimiGrad(target_similarity=0.9, max_batch_size=120, max_micro_batch_size=6)
@@ -163,7 +165,7 @@ def _resumable_fit(rank: int, world: int, out: Path, stop: int | None, ckpt_path
     checkpoint = ModelCheckpoint(dirpath=out, filename="{step}", every_n_train_steps=STOP, save_top_k=-1)
     t = trainer(
         devices=world,
-        strategy=strategy(world),
+        strategy=strategy(world, save_distributed_checkpoint=sharded),
         max_epochs=2,
         enable_checkpointing=True,
         callbacks=[cb, checkpoint, record],
@@ -181,20 +183,21 @@ def steps_of(ranks: list[dict]) -> list[dict]:
     ]
 
 
-def interrupted(out: Path, world: int) -> tuple[Path, list[dict]]:
-    """A fit stopped after STOP steps with a (distributed) checkpoint written there, inside the first epoch."""
-    ranks = run_ok(_resumable_fit, world, out, STOP, None, deadline_s=120)
+def interrupted(out: Path, world: int, sharded: bool = True) -> tuple[Path, list[dict]]:
+    """A fit stopped after STOP steps with a checkpoint written there, inside the first epoch."""
+    ranks = run_ok(_resumable_fit, world, out, STOP, None, sharded, deadline_s=120)
     path = out / f"step={STOP}.ckpt"
-    assert path.is_dir()  # ModelParallelStrategy's sharded checkpoint
+    assert path.is_dir() if sharded else path.is_file()  # a folder of shards, or one file of the full state
     assert ranks[0]["history"][-1]["samples_seen"] < RESUME_N  # inside the first epoch
     return path, ranks
 
 
 @pytest.mark.timeout(240)
-def test_fsdp_mid_epoch_resume_continues_the_same_run(tmp_path):
-    whole = run_ok(_resumable_fit, 2, tmp_path / "whole", None, None, deadline_s=120)
-    path, part = interrupted(tmp_path / "part", 2)
-    resumed = run_ok(_resumable_fit, 2, tmp_path / "resumed", None, path, deadline_s=120)
+@pytest.mark.parametrize("sharded", [True, False], ids=["sharded-state", "full-state"])
+def test_fsdp_mid_epoch_resume_continues_the_same_run(tmp_path, sharded):
+    whole = run_ok(_resumable_fit, 2, tmp_path / "whole", None, None, sharded, deadline_s=120)
+    path, part = interrupted(tmp_path / "part", 2, sharded)
+    resumed = run_ok(_resumable_fit, 2, tmp_path / "resumed", None, path, sharded, deadline_s=120)
     before, after, history = part[0]["history"], resumed[0]["history"], whole[0]["history"]
     assert len(before) == STOP
     assert same(before, history[:STOP])
