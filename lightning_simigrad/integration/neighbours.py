@@ -55,8 +55,8 @@ def refuse_unsupported(trainer: pl.Trainer, pl_module: pl.LightningModule, max_m
         raise RuntimeError(
             f"SimiGrad supports a single device, DDP (`strategy='ddp'`, 'ddp_spawn', ...) and FSDP2 through"
             f" `ModelParallelStrategy`; the Trainer uses `{type(strategy).__name__}`. DeepSpeed accumulates"
-            " gradients itself and FSDP1 (`FSDPStrategy`) is not supported yet, where the half-batch gradients"
-            " cannot be measured. Use `strategy='ddp'`, or `ModelParallelStrategy(tensor_parallel_size=1)` with"
+            " gradients itself, where the half-batch gradients cannot be measured, and FSDP1 (`FSDPStrategy`) is"
+            " not supported yet. Use `strategy='ddp'`, or `ModelParallelStrategy(tensor_parallel_size=1)` with"
             " `fully_shard` applied in `configure_model`."
         )
     if isinstance(strategy, ModelParallelStrategy):
