@@ -183,7 +183,8 @@ def _worker(rank: int, world_size: int, port: int, rounds: int, results: Any) ->
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on loopback for a process group's rendezvous (also used by fsdp_overhead and gpu_check)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -201,7 +202,7 @@ def main() -> None:
         results = context.SimpleQueue()
         started = time.perf_counter()
         mp.start_processes(
-            _worker, args=(world_size, _free_port(), args.rounds, results), nprocs=world_size, start_method="spawn"
+            _worker, args=(world_size, free_port(), args.rounds, results), nprocs=world_size, start_method="spawn"
         )
         _, n_params, times = results.get()
         ratio_b = statistics.median(b / a for a, b in zip(times["a"], times["b"], strict=True))

@@ -48,7 +48,6 @@ import collections
 import datetime
 import functools
 import os
-import socket
 import statistics
 import sys
 import time
@@ -58,6 +57,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from ddp_overhead import free_port  # beside this file
 
 VOCAB = 512
 WIDTH = 128
@@ -316,12 +316,6 @@ def _worker(rank: int, world: int, port: int, rounds: int, warmup: int, timed: i
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _params() -> int:
     return sum(p.numel() for p in _module_class()().parameters())
 
@@ -354,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         results = context.SimpleQueue()
         started = time.perf_counter()
         mp.start_processes(
-            _worker, args=(world, _free_port(), rounds, warmup, timed, results), nprocs=world, start_method="spawn"
+            _worker, args=(world, free_port(), rounds, warmup, timed, results), nprocs=world, start_method="spawn"
         )
         ranks = dict(results.get() for _ in range(world))
         fits = ranks[0]

@@ -44,7 +44,6 @@ import math
 import multiprocessing
 import os
 import queue
-import socket
 import statistics
 import subprocess
 import sys
@@ -60,7 +59,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # ddp_overhead, beside this file
-from ddp_overhead import PaperPattern  # noqa: E402
+from ddp_overhead import PaperPattern, free_port  # noqa: E402
 
 from lightning_simigrad import Window  # noqa: E402
 from lightning_simigrad.measurement import (  # noqa: E402
@@ -478,9 +477,7 @@ def check_ddp(device: str, world: int, quick: bool, deadline_s: float = 420.0, o
     context = multiprocessing.get_context(START_METHOD)
     context.set_forkserver_preload(["torch", "lightning_simigrad.measurement.rank_groups"])
     out = context.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     processes = [
         context.Process(target=_ddp_worker, args=(rank, world, port, device, quick, out, one_device), daemon=True)
         for rank in range(world)
@@ -738,9 +735,7 @@ def check_fsdp(device: str, world: int, quick: bool, deadline_s: float = 300.0) 
     check = f"{FSDP_CHECK}, {world} {device} processes: gradients and similarity = reference"
     context = multiprocessing.get_context(START_METHOD)
     out = context.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     processes = [
         context.Process(target=_fsdp_worker, args=(rank, world, port, device, quick, out), daemon=True)
         for rank in range(world)

@@ -62,11 +62,14 @@ def failed_row(device: torch.device, stage: int) -> Tensor:
     return row
 
 
-def gather(row: Tensor, group: dist.ProcessGroup, world_size: int) -> Tensor:
-    """Every rank's row, in rank order: a ``(world_size, ROW)`` tensor, identical on every rank."""
-    out = torch.empty(world_size * ROW, dtype=row.dtype, device=row.device)
+def gather(row: Tensor, group: dist.ProcessGroup | None, world_size: int) -> Tensor:
+    """Every rank's row, in rank order: a ``(world_size, len(row))`` tensor, identical on every rank.
+
+    Also the FSDP measurement's reduction (:mod:`~lightning_simigrad.measurement.sharded_halves`, rows of 4).
+    """
+    out = torch.empty(world_size * row.numel(), dtype=row.dtype, device=row.device)
     _compat.all_gather_into(out, row, group=group)
-    return out.view(world_size, ROW)
+    return out.view(world_size, row.numel())
 
 
 def fetch(rows: Tensor, loss_scale: Tensor | float | None) -> tuple[list[list[float]], float]:
@@ -76,4 +79,5 @@ def fetch(rows: Tensor, loss_scale: Tensor | float | None) -> tuple[list[list[fl
         flat = torch.cat([flat, loss_scale.detach().reshape(1).to(flat)])
     values = flat.tolist()  # the measurement's one host synchronisation per step
     scale = values.pop() if isinstance(loss_scale, Tensor) else float(loss_scale or 1.0)
-    return [values[i : i + ROW] for i in range(0, len(values), ROW)], scale
+    width = rows.shape[-1]
+    return [values[i : i + width] for i in range(0, len(values), width)], scale

@@ -58,10 +58,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_simigrad import _compat
 from lightning_simigrad.core.statistics import HalfStats
+from lightning_simigrad.measurement import _ddp_scalars
 from lightning_simigrad.measurement.protocol import LossScale, MeasurementError, loss_scale_of
-from lightning_simigrad.measurement.window_halves import WindowHalvesMeasurement
+from lightning_simigrad.measurement.window_halves import WindowHalvesMeasurement, halves_of
 
 __all__ = ["ShardedHalvesMeasurement", "check_sharding"]
 
@@ -71,12 +71,6 @@ _STAGES = {
     _COMBINE: "while comparing the window's halves after its last backward",
     _COLLECT: "in collect(), before its all-gather",
 }
-
-
-def _local(tensor: Tensor) -> Tensor:
-    """A DTensor's local shard (the tensor itself otherwise): the storage FSDP2 accumulates into."""
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if to_local is not None else tensor
 
 
 class ShardedHalvesMeasurement(WindowHalvesMeasurement):
@@ -132,8 +126,7 @@ class ShardedHalvesMeasurement(WindowHalvesMeasurement):
         for r in rows:  # the same additions in the same order on every rank: bitwise the same statistics
             ss, sr, rr = ss + r[0], sr + r[1], rr + r[2]
         _, n_a, n_b, total = measured
-        fa, fb = total / n_a / scale, total / n_b / scale  # g_A = fa s, g_B = fb r, unscaled
-        return HalfStats(dot=sr * fa * fb, sq_a=ss * fa * fa, sq_b=rr * fb * fb, n_a=n_a, n_b=n_b)
+        return halves_of(ss, sr, rr, n_a, n_b, total, scale)
 
     def _row(self, products: Tensor | None, stage: float) -> Tensor:
         row = torch.zeros(_ROW, dtype=torch.float64, device=products.device if products is not None else None)
@@ -144,26 +137,21 @@ class ShardedHalvesMeasurement(WindowHalvesMeasurement):
 
     def _gather(self, row: Tensor, loss_scale: LossScale) -> tuple[list[list[float]], float]:
         """Every rank's row, in rank order, and the loss scale, read to the host in one transfer."""
-        world = dist.get_world_size(self._pg)
-        device = _collective_device(self._pg, row.device)
-        out = torch.empty(world * _ROW, dtype=torch.float64, device=device)
+        row = row.to(_collective_device(self._pg, row.device))
         try:
-            _compat.all_gather_into(out, row.to(device), group=self._pg)
+            rows = _ddp_scalars.gather(row, self._pg, dist.get_world_size(self._pg))
         except Exception as error:
             raise RuntimeError(
                 f"The all-gather of SimiGrad's FSDP measurement failed ({type(error).__name__}: {error}). A rank "
                 "died or the process group timed out; see the first failing rank's log."
             ) from error
-        if isinstance(loss_scale, Tensor):
-            out = torch.cat([out, loss_scale.detach().reshape(1).to(out)])
-        values = out.tolist()  # the measurement's one host synchronisation per step
-        scale = values.pop() if isinstance(loss_scale, Tensor) else float(loss_scale or 1.0)
-        return [values[i : i + _ROW] for i in range(0, world * _ROW, _ROW)], scale
+        return _ddp_scalars.fetch(rows, loss_scale)  # the measurement's one host synchronisation per step
 
     @staticmethod
     def storage(grad: Tensor) -> Tensor:
         """A DTensor gradient's local shard: the products read it and the re-joining adds into it, locally."""
-        return _local(grad)
+        to_local = getattr(grad, "to_local", None)
+        return to_local() if to_local is not None else grad
 
 
 def _collective_device(group: dist.ProcessGroup | None, device: torch.device) -> torch.device:

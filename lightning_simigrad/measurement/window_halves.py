@@ -47,7 +47,7 @@ from lightning_simigrad.core.statistics import HalfStats
 from lightning_simigrad.measurement._dots import gram_and_add_all_
 from lightning_simigrad.measurement.protocol import LossScale
 
-__all__ = ["WindowHalvesMeasurement"]
+__all__ = ["WindowHalvesMeasurement", "halves_of"]
 
 
 class WindowHalvesMeasurement:
@@ -99,8 +99,7 @@ class WindowHalvesMeasurement:
         self._read = []  # every op that read the set-aside tensors is done: free them, no record_stream needed
         ss, sr, rr = values[:3]
         scale = values[3] if isinstance(loss_scale, Tensor) else float(loss_scale or 1.0)
-        fa, fb = total / n_a / scale, total / n_b / scale  # g_A = fa s, g_B = fb r, unscaled
-        return HalfStats(dot=sr * fa * fb, sq_a=ss * fa * fa, sq_b=rr * fb * fb, n_a=n_a, n_b=n_b)
+        return halves_of(ss, sr, rr, n_a, n_b, total, scale)
 
     def abort(self) -> None:
         self.restore()
@@ -177,6 +176,14 @@ class WindowHalvesMeasurement:
         for first in self._read:
             _read_on_current_stream(first)
         self._read = []
+
+
+def halves_of(ss: float, sr: float, rr: float, n_a: int, n_b: int, total: int, scale: float) -> HalfStats:
+    """The halves' statistics from the products of their accumulated sums ``s`` and ``r`` (every sample weighed
+    by ``1 / total``, the loss scaled by ``scale``): :math:`g_A = (N / n_A) s / scale`, :math:`g_B = (N / n_B) r /
+    scale`."""
+    fa, fb = total / n_a / scale, total / n_b / scale
+    return HalfStats(dot=sr * fa * fb, sq_a=ss * fa * fa, sq_b=rr * fb * fb, n_a=n_a, n_b=n_b)
 
 
 def _read_on_current_stream(tensor: Tensor) -> None:
