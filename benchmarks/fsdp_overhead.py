@@ -1,10 +1,10 @@
-"""Step time and traffic of ``SimiGrad(adjust=False)`` under FSDP2 against plain FSDP2 training, through Lightning.
+"""Step time and traffic of ``SimiGrad(adjust=False)`` under FSDP against plain FSDP training, through Lightning.
 
-Run (about 3 minutes on 2 CPU cores; ``--quick``: about 1 minute, most of it starting processes)::
+Run (about 6 minutes on 2 CPU cores; ``--quick``: about 2 minutes, most of it starting processes)::
 
-    .venv/bin/python benchmarks/fsdp_overhead.py                 # W = 2 and 4, gloo on loopback
+    .venv/bin/python benchmarks/fsdp_overhead.py                 # W = 2 and 4, FSDP2 then FSDP1, gloo on loopback
     .venv/bin/python benchmarks/fsdp_overhead.py --quick         # fewer rounds and steps
-    .venv/bin/python benchmarks/fsdp_overhead.py --world-sizes 2 --rounds 3
+    .venv/bin/python benchmarks/fsdp_overhead.py --world-sizes 2 --rounds 3 --fsdp 1
 
 For each world size W, W CPU processes (one thread each) are started here and joined to one gloo group; Lightning
 treats them as launched externally (``LOCAL_RANK``, ``RANK``, ``WORLD_SIZE`` set) and skips its own launch and
@@ -20,6 +20,11 @@ The model is a small transformer encoder (token embedding, 4 encoder layers, a v
 the same seed and see the same data. FSDP2 under Lightning reduce-scatters the gradient on every micro-batch (the
 sharded ``p.grad`` accumulates), so (a) and (b) move the same gradient bytes; what SimiGrad adds is what this
 benchmark shows.
+
+``--fsdp 1`` runs the same under FSDP1: Lightning's ``FSDPStrategy`` (through
+:class:`lightning_simigrad.testing.CPUFSDPStrategy`, which passes the CPU device), every encoder layer its own unit
+(``ModuleWrapPolicy``), ``FULL_SHARD``. Plain FSDP1 accumulates inside ``no_sync`` and reduce-scatters once per
+window; SimiGrad's measurement reduces at the window's midpoint too, so (b) sends a second reduce-scatter per step.
 
 A step's time is the interval between two optimizer steps seen on rank 0 (every step ends in collectives, so the
 ranks move together); its CPU time is ``time.process_time()`` over the same interval (every thread of the process,
@@ -195,6 +200,8 @@ def _module_class() -> type:
             self.head = nn.Linear(WIDTH, VOCAB)
 
         def configure_model(self) -> None:
+            if self.device_mesh is None:  # FSDP1: the strategy wraps the layers
+                return
             mesh = self.device_mesh["data_parallel"]
             for layer in self.layers:
                 fully_shard(layer, mesh=mesh)
@@ -216,10 +223,22 @@ def _module_class() -> type:
     return Encoder
 
 
-def _fit(variant: str, world: int, warmup: int, timed: int, counter: CollectiveCounter) -> dict[str, Any]:
+def _strategy(fsdp: int, world: int) -> Any:
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from torch import nn
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from lightning_simigrad.testing import CPUFSDPStrategy
+
+    if fsdp == 2:
+        return ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1, process_group_backend="gloo")
+    wrap = ModuleWrapPolicy({nn.TransformerEncoderLayer})
+    return CPUFSDPStrategy(process_group_backend="gloo", auto_wrap_policy=wrap, sharding_strategy="FULL_SHARD")
+
+
+def _fit(variant: str, fsdp: int, world: int, warmup: int, timed: int, counter: CollectiveCounter) -> dict[str, Any]:
     """One Lightning fit of ``warmup + timed`` optimizer steps; per timed step: time, calls and bytes."""
     import lightning.pytorch as pl
-    from lightning.pytorch.strategies import ModelParallelStrategy
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_simigrad import SimiGrad
@@ -261,7 +280,7 @@ def _fit(variant: str, world: int, warmup: int, timed: int, counter: CollectiveC
         accelerator="cpu",
         devices=world,
         num_nodes=1,
-        strategy=ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1, process_group_backend="gloo"),
+        strategy=_strategy(fsdp, world),
         max_steps=steps,
         accumulate_grad_batches=WINDOW if variant == "plain" else 1,
         callbacks=callbacks,
@@ -287,7 +306,7 @@ def _fit(variant: str, world: int, warmup: int, timed: int, counter: CollectiveC
     }
 
 
-def _worker(rank: int, world: int, port: int, rounds: int, warmup: int, timed: int, results: Any) -> None:
+def _worker(rank: int, fsdp: int, world: int, port: int, rounds: int, warmup: int, timed: int, results: Any) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -307,10 +326,10 @@ def _worker(rank: int, world: int, port: int, rounds: int, warmup: int, timed: i
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(minutes=5))
     fits: dict[str, list[dict[str, Any]]] = {"plain": [], "simigrad": []}
     orders = [("plain", "simigrad"), ("simigrad", "plain")]
-    _fit("plain", world, 1, 1, counter)  # warm-up: imports, gloo connections, allocator
+    _fit("plain", fsdp, world, 1, 1, counter)  # warm-up: imports, gloo connections, allocator
     for r in range(rounds):
         for variant in orders[r % 2]:
-            fits[variant].append(_fit(variant, world, warmup, timed, counter))
+            fits[variant].append(_fit(variant, fsdp, world, warmup, timed, counter))
     results.put((rank, fits))
     dist.barrier()
     dist.destroy_process_group()
@@ -327,6 +346,7 @@ def _kb(value: float) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--fsdp", type=int, nargs="+", choices=[1, 2], default=[2, 1], help="FSDP versions to run")
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds of (a, b) per world size (default 4)")
     parser.add_argument("--steps", type=int, default=None, help="timed optimizer steps per fit (default 8)")
     parser.add_argument("--quick", action="store_true", help="2 rounds of 3 timed steps: a smoke run (about 1 minute)")
@@ -344,11 +364,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     context = mp.get_context("spawn")
     rows = []
-    for world in args.world_sizes:
+    for fsdp, world in ((fsdp, world) for fsdp in args.fsdp for world in args.world_sizes):
         results = context.SimpleQueue()
         started = time.perf_counter()
         mp.start_processes(
-            _worker, args=(world, free_port(), rounds, warmup, timed, results), nprocs=world, start_method="spawn"
+            _worker,
+            args=(fsdp, world, free_port(), rounds, warmup, timed, results),
+            nprocs=world,
+            start_method="spawn",
         )
         ranks = dict(results.get() for _ in range(world))
         fits = ranks[0]
@@ -362,7 +385,8 @@ def main(argv: list[str] | None = None) -> int:
         }
         cpu_ratio = statistics.median(b / a for a, b in zip(cpu["plain"], cpu["simigrad"], strict=True))
         print(
-            f"W={world}: {rounds} rounds in {time.perf_counter() - started:.0f} s; per-round median step (a, b) ms: "
+            f"FSDP{fsdp} W={world}: {rounds} rounds in {time.perf_counter() - started:.0f} s; "
+            "per-round median step (a, b) ms: "
             + ", ".join(f"({a * 1e3:.0f}, {b * 1e3:.0f})" for a, b in zip(plain, simi, strict=True))
             + "; CPU ms per step, all ranks (a, b): "
             + ", ".join(f"({a * 1e3:.0f}, {b * 1e3:.0f})" for a, b in zip(cpu["plain"], cpu["simigrad"], strict=True)),
@@ -380,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:
         extra_calls = {k: b["calls"].get(k, 0) - a["calls"].get(k, 0) for k in set(a["calls"]) | set(b["calls"])}
         rows.append(
             (
+                fsdp,
                 world,
                 statistics.median(plain),
                 statistics.median(simi),
@@ -397,13 +422,13 @@ def main(argv: list[str] | None = None) -> int:
 
     print()
     print(
-        "  W | step (a) -> (b)     | median (b)/(a) | CPU/step, all ranks (a) -> (b) | median (b)/(a) "
+        "FSDP W | step (a) -> (b)     | median (b)/(a) | CPU/step, all ranks (a) -> (b) | median (b)/(a) "
         "| ring bytes/step/rank (a) -> (b)      | extra calls/step | loopback bytes/step/rank (a) -> (b)"
     )
-    for world, ta, tb, ratio, ca, cb, cpu_ratio, ba, bb, extra, la, lb in rows:
+    for fsdp, world, ta, tb, ratio, ca, cb, cpu_ratio, ba, bb, extra, la, lb in rows:
         extra_text = ", ".join(f"{k} {v:+g}" for k, v in sorted(extra.items())) or "none"
         print(
-            f"{world:3d} | {ta * 1e3:5.0f} -> {tb * 1e3:5.0f} ms | {ratio:14.3f} | "
+            f"{fsdp:4d} {world:1d} | {ta * 1e3:5.0f} -> {tb * 1e3:5.0f} ms | {ratio:14.3f} | "
             f"{ca * 1e3:9.0f} -> {cb * 1e3:6.0f} ms         | {cpu_ratio:14.3f} | "
             f"{_kb(ba)} -> {_kb(bb)} ({bb - ba:+,.0f} B) | {extra_text} | {_kb(la)} -> {_kb(lb)}"
         )

@@ -28,7 +28,9 @@ __all__ = [
     "Private",
     "check",
     "foreach_add_",
+    "foreach_copy",
     "foreach_mul_",
+    "foreach_sub",
     "foreach_norm",
 ]
 
@@ -70,6 +72,8 @@ PRIVATE_MEMBERS: tuple[Private, ...] = (
     Private("LearningRateMonitor", "_extract_lr", "reports the learning rate the step applies"),
     Private("BatchSizeFinder", "_batch_arg_name", "the batch size a finder is about to tune"),
     Private("TQDMProgressBar", "_train_progress_bar", "the epoch's micro-batch total"),
+    # the reference harness (testing.py): FSDP1 on CPU, which Lightning gives no device id
+    Private("FSDPStrategy", "_setup_model", "testing.CPUFSDPStrategy wraps the model with the CPU device"),
     # torch (measurement/, data/)
     Private("DistributedDataParallel", "_comm_hooks", "finds a communication hook already registered", "torch"),
     Private("DistributedDataParallel", "_get_ddp_logging_data", "finds a built-in communication hook", "torch"),
@@ -78,6 +82,8 @@ PRIVATE_MEMBERS: tuple[Private, ...] = (
     Private("torch", "_foreach_mul_", "rescales a step that fed fewer samples than planned", "torch"),
     Private("torch", "_foreach_norm", "the halves' norms in one fused op, whatever the number of tensors", "torch"),
     Private("torch", "_foreach_add_", "re-joins the halves in one fused op, whatever the number of tensors", "torch"),
+    Private("torch", "_foreach_mul", "FSDP1: copies the first half's shards in one op", "torch"),
+    Private("torch", "_foreach_sub", "FSDP1: the second half's shards (the window's less the first's)", "torch"),
 )
 
 
@@ -87,6 +93,7 @@ def _owners() -> dict[str, Any]:
     from lightning.pytorch.loops.fit_loop import _FitLoop
     from lightning.pytorch.loops.optimization.automatic import _AutomaticOptimization
     from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+    from lightning.pytorch.strategies import FSDPStrategy
     from lightning.pytorch.trainer import call
     from lightning.pytorch.trainer.connectors import data_connector
     from torch.nn.parallel import DistributedDataParallel
@@ -102,6 +109,7 @@ def _owners() -> dict[str, Any]:
         "LearningRateMonitor": LearningRateMonitor,
         "BatchSizeFinder": BatchSizeFinder,
         "TQDMProgressBar": TQDMProgressBar,
+        "FSDPStrategy": FSDPStrategy,
         "DistributedDataParallel": DistributedDataParallel,
         "GradScaler": torch.amp.GradScaler,
         "RandomSampler": RandomSampler,
@@ -159,6 +167,16 @@ def foreach_mul_(tensors: list[torch.Tensor], factor: float) -> None:
 def foreach_add_(tensors: list[torch.Tensor], others: list[torch.Tensor]) -> None:
     """``tensors[i] += others[i]`` for every i, in one fused kernel per device and dtype."""
     torch._foreach_add_(tensors, others)
+
+
+def foreach_copy(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """New tensors equal to ``tensors`` (a multiplication by one: exact), in one fused kernel per device and dtype."""
+    return list(torch._foreach_mul(tensors, 1.0))
+
+
+def foreach_sub(tensors: list[torch.Tensor], others: list[torch.Tensor]) -> list[torch.Tensor]:
+    """New tensors ``tensors[i] - others[i]``, in one fused kernel per device and dtype."""
+    return list(torch._foreach_sub(tensors, others))
 
 
 def foreach_norm(tensors: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:

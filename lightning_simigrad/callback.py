@@ -24,6 +24,7 @@ from lightning_simigrad.integration.progress import SampleProgress
 from lightning_simigrad.integration.progress_bar import EpochProgress
 from lightning_simigrad.integration.reporting import METRICS, Reporting
 from lightning_simigrad.integration.spawn_results import Origin
+from lightning_simigrad.measurement.midpoint_reduction import MidpointReductionMeasurement
 from lightning_simigrad.measurement.protocol import loss_scale_of
 from lightning_simigrad.measurement.rank_groups import RankGroupMeasurement
 from lightning_simigrad.measurement.sharded_halves import ShardedHalvesMeasurement, check_sharding
@@ -193,7 +194,9 @@ class SimiGrad(CallbackState):
         # registers there is then found and refused with a clear error, not met by torch's own
         if self.run is not None and isinstance(self.run.measurement, RankGroupMeasurement):
             self.run.measurement.register(trainer.strategy.model)  # type: ignore[arg-type]
-        if self.run is not None and isinstance(self.run.measurement, ShardedHalvesMeasurement):
+        if self.run is not None and isinstance(self.run.measurement, MidpointReductionMeasurement):
+            neighbours.check_fsdp1_units(trainer.strategy.model)  # wrapped by now, by the strategy or the module
+        elif self.run is not None and isinstance(self.run.measurement, ShardedHalvesMeasurement):
             check_sharding(list(pl_module.parameters()), self.run.world_size)  # FSDP2 has sharded them by now
 
     @override
@@ -212,7 +215,9 @@ class SimiGrad(CallbackState):
         if micro.first:
             self._progress.start_window(micro.window.total)
         self._bar.update(trainer, run.schedule.current)
-        self._accumulation.set_micro_batch(micro.first, micro.last, micro.loss_divisor, micro.window.num_micro_batches)
+        self._accumulation.set_micro_batch(
+            micro.first, micro.last, micro.loss_divisor, micro.window.num_micro_batches, micro.reduces
+        )
         # Lightning runs the window's last micro-batch inside `optimizer.step`, after its pre-hook
         self._lr.factor = micro.lr_factor
 

@@ -89,6 +89,7 @@ class MicroBatch:
     local_samples: int  # this rank's samples (0: a zero-weight padding sample)
     loss_divisor: float  # N / (W n): each sample of the window weighs exactly 1 / N
     lr_factor: float
+    reduces: bool = False  # its backward reduces the gradient across ranks though the window goes on
 
     @property
     def first(self) -> bool:
@@ -205,7 +206,8 @@ class Run:
         local = window.sizes[micro][self.rank]
         self.lr_factor = self.factor_for(window.total)
         divisor = window.total / (self.world_size * local) if local else math.inf
-        return MicroBatch(window, micro, local, divisor, self.lr_factor)
+        reduces = self.measurement.midpoint_reduction and micro == window.half_split() - 1
+        return MicroBatch(window, micro, local, divisor, self.lr_factor, reduces)
 
     def after_backward(self, params: Sequence[Tensor]) -> None:
         """The micro-batch's backward has run: its samples count for its half."""

@@ -1,14 +1,14 @@
 r"""References to check SimiGrad against: every step's gradient is the mean of exactly its samples.
 
 One harness for the project's tests, ``benchmarks/gpu_check.py`` and users who want to see it on their own
-model, on one process, on any number of DDP ranks, or under FSDP2 (``fully_shard`` with Lightning's
-``ModelParallelStrategy``):
+model, on one process, on any number of DDP ranks, under FSDP2 (``fully_shard`` with Lightning's
+``ModelParallelStrategy``) or under FSDP1 (``FSDPStrategy``):
 
 - :class:`StepAudit`, a Lightning callback placed after :class:`~lightning_simigrad.SimiGrad`: at every optimizer
   step it gathers the samples every rank fed, recomputes the mean loss's gradient over exactly those samples on a
   copy of the module, and records the relative error of the gradient the optimizer is about to apply, whether
   every rank holds the same gradient, and the cosine similarity of the two halves' reference gradients (the
-  window's halves in time on one process and under FSDP2, the two rank groups under DDP);
+  window's halves in time on one process and under FSDP, the two rank groups under DDP);
 - for a hand-built DDP model without Lightning: :func:`run_window` accumulates one window with SimiGrad's loss
   weights, :func:`reference_halves` recomputes :math:`g_A \cdot g_B`, :math:`|g_A|^2`, :math:`|g_B|^2` in
   float64 from every rank's local gradient, :func:`relative_error` compares a measurement with them;
@@ -28,23 +28,36 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["AuditedStep", "HostSyncs", "StepAudit", "flat_grad", "reference_halves", "relative_error", "run_window"]
+__all__ = [
+    "AuditedStep",
+    "CPUFSDPStrategy",
+    "HostSyncs",
+    "StepAudit",
+    "flat_grad",
+    "reference_halves",
+    "relative_error",
+    "run_window",
+]
 
 
 @dataclass
 class AuditedStep:
     """One optimizer step as :class:`StepAudit` saw it."""
 
-    per_rank: list[list[int]]  # the samples each rank fed (zero-weight padding samples left out)
+    per_rank: list[list[int]]  # the samples each data-parallel rank fed (zero-weight padding samples left out)
     halves: tuple[list[int], list[int]]  # the samples of half A and half B, every rank's
     grad_rel_error: float  # |g - g_ref| / |g_ref| for the gradient the optimizer applies
     ranks_identical: bool  # every rank holds bitwise the same gradient
     similarity: float  # cos(g_A, g_B) of the halves' reference gradients (NaN without two halves)
+    # the processes of each data-parallel rank (its tensor-parallel ranks) fed the same samples
+    replicas_fed_alike: bool = True
+    # g_A.g_B, |g_A|^2, |g_B|^2 of the halves' reference gradients (None without two halves)
+    halves_products: tuple[float, float, float] | None = None
     samples: list[int] = field(init=False)  # every sample of the step, in rank order
 
     def __post_init__(self) -> None:
@@ -58,10 +71,13 @@ class StepAudit(pl.Callback):
         indices: the dataset indices of a micro-batch.
         mean_loss: the mean loss of ``module`` (a deep copy of the LightningModule) over the samples ``indices``.
 
-    Every rank must run it (it gathers the samples and gradients of all ranks at every step). Under FSDP2 the
-    gradient compared is the full one (``DTensor.full_tensor``), the reference module an unsharded copy of the
-    LightningModule taken in ``setup`` (before ``configure_model`` shards it, so its parameters must exist by
-    then) into which each step loads the full parameters, and the world the data-parallel group.
+    Every rank must run it (it gathers the samples and gradients of all ranks at every step). Under FSDP the
+    gradient compared is the full one (FSDP2: ``DTensor.full_tensor``; FSDP1: ``summon_full_params`` with the
+    gradients, which needs ``use_orig_params=True``, Lightning's default), the reference module an unsharded
+    copy of the LightningModule taken in ``setup`` (before ``configure_model`` and the strategy shard it, so
+    its parameters must exist by then) into which each step loads the full parameters, and the world the
+    data-parallel group: the samples are counted per data-parallel rank (under tensor parallelism its processes
+    feed the same batches, which ``replicas_fed_alike`` records), the gradients compared on every process.
     """
 
     def __init__(
@@ -76,8 +92,10 @@ class StepAudit(pl.Callback):
         self._unsharded: pl.LightningModule | None = None  # under FSDP2: the module as it was before it was sharded
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit" and isinstance(trainer.strategy, ModelParallelStrategy):  # before `configure_model`
-            keep = {id(trainer): trainer, id(pl_module.device_mesh): pl_module.device_mesh}  # shared, not copied
+        if stage == "fit" and isinstance(trainer.strategy, (ModelParallelStrategy, FSDPStrategy)):  # not sharded yet
+            keep: dict[int, Any] = {id(trainer): trainer}  # shared, not copied
+            if isinstance(trainer.strategy, ModelParallelStrategy):
+                keep[id(pl_module.device_mesh)] = pl_module.device_mesh
             self._unsharded = copy.deepcopy(pl_module, memo=keep)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
@@ -101,13 +119,17 @@ class StepAudit(pl.Callback):
         measurement = simigrad.run.measurement if simigrad is not None and simigrad.run is not None else None
         in_time = getattr(measurement, "min_micro_batches", 2 if world == 1 else 1) == 2
         mine = [*self._fed[0], *self._fed[1]]
-        per_rank, grads = [mine], torch.cat([_full(g).reshape(-1) for g in _with_grad(pl_module)])
-        gathered, halves = [grads], (list(self._fed[0]), list(self._fed[1]))
-        if world > 1:
-            fed: list[Any] = [None] * world
-            dist.all_gather_object(fed, self._fed)
+        with _fsdp1_full_parameters(trainer):
+            per_rank, grads = [mine], torch.cat([_full(g).reshape(-1) for g in _with_grad(pl_module)])
+            source = self._reference_module(pl_module)
+        gathered, halves, alike = [grads], (list(self._fed[0]), list(self._fed[1])), True
+        processes = trainer.world_size  # tensor-parallel ranks included: every one holds the full gradient too
+        if processes > 1:
+            every: list[Any] = [None] * processes
+            dist.all_gather_object(every, (_data_parallel_rank(trainer), self._fed))
+            fed, alike = _by_data_parallel_rank(every, world)
             per_rank = [[*a, *b] for a, b in fed]
-            gathered = [torch.empty_like(grads) for _ in range(world)]
+            gathered = [torch.empty_like(grads) for _ in range(processes)]
             dist.all_gather(gathered, grads)
             if in_time:
                 halves = ([i for a, _ in fed for i in a], [i for _, b in fed for i in b])
@@ -115,12 +137,12 @@ class StepAudit(pl.Callback):
                 group_a = [i for r in per_rank[: world // 2] for i in r]
                 halves = (group_a, [i for r in per_rank[world // 2 :] for i in r])
         self._fed = ([], [])
-        source = self._reference_module(pl_module)
         reference = self._gradient(source, [i for r in per_rank for i in r])
-        similarity = math.nan
+        similarity, products = math.nan, None
         if halves[0] and halves[1]:
             g_a, g_b = self._gradient(source, halves[0]), self._gradient(source, halves[1])
             similarity = float(g_a @ g_b / (g_a.norm() * g_b.norm()))
+            products = (float(g_a @ g_b), float(g_a @ g_a), float(g_b @ g_b))
         self.steps.append(
             AuditedStep(
                 per_rank=per_rank,
@@ -128,16 +150,24 @@ class StepAudit(pl.Callback):
                 grad_rel_error=float((grads - reference).norm() / reference.norm()),
                 ranks_identical=all(torch.equal(g, gathered[0]) for g in gathered),
                 similarity=similarity,
+                replicas_fed_alike=alike,
+                halves_products=products,
             )
         )
 
     def _reference_module(self, pl_module: pl.LightningModule) -> pl.LightningModule:
-        """The module to compute reference gradients on: the LightningModule, or its unsharded copy under FSDP2
-        with the full parameters loaded (a collective: every rank runs it, in the same order)."""
+        """The module to compute reference gradients on: the LightningModule, or its unsharded copy under FSDP
+        with the full parameters loaded (FSDP2: a collective, every rank runs it in the same order; FSDP1: inside
+        ``summon_full_params``)."""
         if self._unsharded is None:
             return pl_module
-        state = {name: _full(value).detach() for name, value in pl_module.state_dict().items()}
-        self._unsharded.load_state_dict(state)
+        if isinstance(pl_module.trainer.strategy, FSDPStrategy):  # the full tensors, under FSDP1's wrapper names
+            named = [*pl_module.named_parameters(), *pl_module.named_buffers()]
+            state = {name.replace("_fsdp_wrapped_module.", ""): value.detach() for name, value in named}
+            self._unsharded.load_state_dict(state)
+        else:
+            state = {name: _full(value).detach() for name, value in pl_module.state_dict().items()}
+            self._unsharded.load_state_dict(state)
         return self._unsharded
 
     def _gradient(self, module: pl.LightningModule, indices: list[int]) -> torch.Tensor:
@@ -145,6 +175,37 @@ class StepAudit(pl.Callback):
         model.zero_grad()
         self.mean_loss(model, indices).backward()
         return flat_grad(model)
+
+
+class CPUFSDPStrategy(FSDPStrategy):
+    """Lightning's FSDP1 strategy on CPU processes (gloo), to check FSDP1 where there is no GPU.
+
+    Lightning refuses ``FSDPStrategy`` with a CPU accelerator (by its exact type) and gives torch's FSDP1 a device
+    id only on a GPU, which FSDP1 needs; this subclass passes the CPU device. On GPUs use ``FSDPStrategy`` itself.
+    """
+
+    def _setup_model(self, model: nn.Module) -> nn.Module:  # lightning_simigrad._compat lists it
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        return FullyShardedDataParallel(
+            module=model,
+            cpu_offload=self.cpu_offload,
+            mixed_precision=self.mixed_precision_config,
+            sharding_strategy=self.sharding_strategy,
+            device_id=torch.device("cpu"),
+            **self.kwargs,
+        )
+
+
+def _fsdp1_full_parameters(trainer: pl.Trainer) -> contextlib.AbstractContextManager[Any]:
+    """Under FSDP1: the full parameters and gradients for the block (a collective); elsewhere nothing."""
+    if not isinstance(trainer.strategy, FSDPStrategy):
+        return contextlib.nullcontext()
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    model = trainer.strategy.model
+    assert model is not None  # wrapped by the strategy before the first step
+    return FullyShardedDataParallel.summon_full_params(model, writeback=False, with_grads=True)
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
@@ -160,6 +221,22 @@ def _data_parallel_size(trainer: pl.Trainer) -> int:
     """The data-parallel ranks (under a device mesh, fewer than ``trainer.world_size``)."""
     kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
     return int(kwargs.get("num_replicas", trainer.world_size))
+
+
+def _data_parallel_rank(trainer: pl.Trainer) -> int:
+    """This process's data-parallel rank (shared by its tensor-parallel peers under a device mesh)."""
+    kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
+    return int(kwargs.get("rank", trainer.global_rank))
+
+
+def _by_data_parallel_rank(every: list[Any], world: int) -> tuple[list[Any], bool]:
+    """What each of ``world`` data-parallel ranks fed, from every process's ``(data-parallel rank, fed)``, and
+    whether the processes of each data-parallel rank fed alike."""
+    fed: dict[int, Any] = {}
+    alike = True
+    for rank, mine in every:
+        alike = alike and fed.setdefault(rank, mine) == mine
+    return [fed[rank] for rank in range(world)], alike
 
 
 def _simigrad(trainer: pl.Trainer) -> Any:

@@ -18,6 +18,8 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
+from lightning_simigrad.testing import CPUFSDPStrategy
+
 
 def as_external_process(rank: int, world_size: int) -> None:
     """Lightning treats this process (started by ``run_group``) as one of ``world_size`` launched externally."""
@@ -89,3 +91,11 @@ class LinearLayerLoss(pl.LightningModule):
     def configure_optimizers(self):
         # momentum: Lightning's sharded checkpoints want optimizer state; lr 0 (the gradients do not depend on w)
         return torch.optim.SGD(self.parameters(), lr=0.0, momentum=0.9)
+
+
+def fsdp1(world_size: int, **kwargs) -> CPUFSDPStrategy:
+    """FSDP1 over ``world_size`` CPU processes (gloo), each ``nn.Linear`` its own unit."""
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    kwargs.setdefault("auto_wrap_policy", ModuleWrapPolicy({nn.Linear}))
+    return CPUFSDPStrategy(process_group_backend="gloo", **kwargs)

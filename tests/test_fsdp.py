@@ -18,8 +18,8 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 from distributed import run_ok
-from fsdp_modules import FSDPRegressor, LinearLayerLoss, PartlyShardedRegressor, as_external_process, strategy
-from helpers import NOISE_SCALE, SAMPLES, IndexedRegression, known_noise_dataset, trainer
+from fsdp_modules import FSDPRegressor, LinearLayerLoss, PartlyShardedRegressor, as_external_process, fsdp1, strategy
+from helpers import NOISE_SCALE, SAMPLES, IndexedRegression, Regressor, known_noise_dataset, trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
@@ -68,10 +68,10 @@ def _audited_fit(rank: int, world: int) -> dict:
     )
 
 
-def check_exact_steps(ranks: list[dict], world: int) -> None:
+def check_exact_steps(ranks: list[dict], world: int, measurement: str = "ShardedHalvesMeasurement") -> None:
     history = ranks[0]["history"]
     assert all(same(r["history"], history) for r in ranks)  # every rank took the same decisions
-    assert ranks[0]["measurement"] == "ShardedHalvesMeasurement" and ranks[0]["min_micro_batches"] == 2
+    assert ranks[0]["measurement"] == measurement and ranks[0]["min_micro_batches"] == 2
     steps = ranks[0]["steps"]
     assert len(steps) == len(history)
     assert len({h["batch_size"] for h in history}) > 2  # the batch moved
@@ -156,21 +156,27 @@ class Record(pl.Callback):
 
 
 def _resumable_fit(
-    rank: int, world: int, out: Path, stop: int | None, ckpt_path: Path | None, sharded: bool = True
+    rank: int,
+    world: int,
+    out: Path,
+    stop: int | None,
+    ckpt_path: Path | None,
+    sharded: bool = True,
+    fsdp_version: int = 2,
 ) -> dict:
     as_external_process(rank, world)
     pl.seed_everything(0)
     cb = SimiGrad(target_similarity=0.9, max_batch_size=120, max_micro_batch_size=6)
     record = Record(stop)
     checkpoint = ModelCheckpoint(dirpath=out, filename="{step}", every_n_train_steps=STOP, save_top_k=-1)
+    if fsdp_version == 2:
+        module, parallel = FSDPRegressor(), strategy(world, save_distributed_checkpoint=sharded)
+    else:
+        module, parallel = Regressor(), fsdp1(world, state_dict_type="sharded" if sharded else "full")
     t = trainer(
-        devices=world,
-        strategy=strategy(world, save_distributed_checkpoint=sharded),
-        max_epochs=2,
-        enable_checkpointing=True,
-        callbacks=[cb, checkpoint, record],
+        devices=world, strategy=parallel, max_epochs=2, enable_checkpointing=True, callbacks=[cb, checkpoint, record]
     )
-    t.fit(FSDPRegressor(), DataLoader(IndexedRegression(RESUME_N), batch_size=4, shuffle=True), ckpt_path=ckpt_path)
+    t.fit(module, DataLoader(IndexedRegression(RESUME_N), batch_size=4, shuffle=True), ckpt_path=ckpt_path)
     return dict(history=cb.history, steps=record.steps)
 
 
@@ -183,9 +189,9 @@ def steps_of(ranks: list[dict]) -> list[dict]:
     ]
 
 
-def interrupted(out: Path, world: int, sharded: bool = True) -> tuple[Path, list[dict]]:
+def interrupted(out: Path, world: int, sharded: bool = True, fsdp_version: int = 2) -> tuple[Path, list[dict]]:
     """A fit stopped after STOP steps with a checkpoint written there, inside the first epoch."""
-    ranks = run_ok(_resumable_fit, world, out, STOP, None, sharded, deadline_s=120)
+    ranks = run_ok(_resumable_fit, world, out, STOP, None, sharded, fsdp_version, deadline_s=120)
     path = out / f"step={STOP}.ckpt"
     assert path.is_dir() if sharded else path.is_file()  # a folder of shards, or one file of the full state
     assert ranks[0]["history"][-1]["samples_seen"] < RESUME_N  # inside the first epoch
@@ -194,10 +200,11 @@ def interrupted(out: Path, world: int, sharded: bool = True) -> tuple[Path, list
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("sharded", [True, False], ids=["sharded-state", "full-state"])
-def test_fsdp_mid_epoch_resume_continues_the_same_run(tmp_path, sharded):
-    whole = run_ok(_resumable_fit, 2, tmp_path / "whole", None, None, sharded, deadline_s=120)
-    path, part = interrupted(tmp_path / "part", 2, sharded)
-    resumed = run_ok(_resumable_fit, 2, tmp_path / "resumed", None, path, sharded, deadline_s=120)
+@pytest.mark.parametrize("fsdp_version", [2, 1], ids=["fsdp2", "fsdp1"])
+def test_fsdp_mid_epoch_resume_continues_the_same_run(tmp_path, sharded, fsdp_version):
+    whole = run_ok(_resumable_fit, 2, tmp_path / "whole", None, None, sharded, fsdp_version, deadline_s=120)
+    path, part = interrupted(tmp_path / "part", 2, sharded, fsdp_version)
+    resumed = run_ok(_resumable_fit, 2, tmp_path / "resumed", None, path, sharded, fsdp_version, deadline_s=120)
     before, after, history = part[0]["history"], resumed[0]["history"], whole[0]["history"]
     assert len(before) == STOP
     assert same(before, history[:STOP])
@@ -230,7 +237,7 @@ def test_fsdp_checkpoint_resumes_on_another_number_of_ranks(tmp_path, world, res
 # ---------------------------------------------------------------------------------------------- refusals
 def _refused_fit(rank: int, world: int, case: str) -> tuple[str, int]:
     as_external_process(rank, world)
-    if case == "tensor parallel":
+    if case == "mesh short of the world":  # tensor_parallel_size=2, but only `fully_shard` over the 1-rank dp mesh
         module, parallel = FSDPRegressor(), strategy(world, tensor_parallel_size=2)
     else:
         module, parallel = PartlyShardedRegressor(), strategy(world)
@@ -245,7 +252,10 @@ def _refused_fit(rank: int, world: int, case: str) -> tuple[str, int]:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     "case,message",
-    [("tensor parallel", "tensor_parallel_size=2"), ("parameter left plain", "Apply `fully_shard` to the root")],
+    [
+        ("mesh short of the world", "spans 1 of the 2 ranks: its gradient is not reduced over the others"),
+        ("parameter left plain", "Apply `fully_shard` to the root"),
+    ],
 )
 def test_what_fsdp_measurement_cannot_serve_is_refused_before_the_first_step(case, message):
     for error, trained in run_ok(_refused_fit, 2, case, deadline_s=90):

@@ -37,8 +37,9 @@ def test_its_gpu_paths_run_on_cpu(capsys: pytest.CaptureFixture[str]) -> None:
     # Lightning's own strategy="ddp" (its side stream), per precision (on CPU 16-mixed runs as bf16-mixed)
     fits = [row for row in rows if row.check.startswith("Lightning strategy='ddp', 4 cpu processes")]
     assert [p for p in gpu_check.FIT_PRECISIONS if any(p in row.check for row in fits)] == ["16-mixed", "bf16-mixed"]
-    # FSDP2 through Lightning's ModelParallelStrategy, every step audited
+    # FSDP2 through Lightning's ModelParallelStrategy and FSDP1 through its FSDPStrategy, every step audited
     assert any(c.startswith(f"{gpu_check.FSDP_CHECK}, 4 cpu processes") for c in checks), checks
+    assert any(c.startswith(f"{gpu_check.FSDP1_CHECK}, 4 cpu processes") for c in checks), checks
     # what CPU cannot show is in the table too, with the reason
     skipped = [row for row in rows if row.status == "SKIPPED"]
     assert any("measurement stream" in row.check and "needs CUDA" in row.figure for row in skipped), table
@@ -63,7 +64,7 @@ def test_one_gpu_reports_a_row_for_everything_it_could_not_check() -> None:
     checks = " / ".join(row.check for row in rows)
     assert "DDP on NCCL" in checks and "stream race" in checks
     assert all(f"Lightning strategy='ddp', {p}" in checks for p in gpu_check.FIT_PRECISIONS)
-    assert f"{gpu_check.FSDP_CHECK} on NCCL" in checks
+    assert f"{gpu_check.FSDP_CHECK} on NCCL" in checks and f"{gpu_check.FSDP1_CHECK} on NCCL" in checks
     assert any("needs >= 2 GPUs; this node has 1" in row.figure for row in rows)
     many = " / ".join(row.check for row in gpu_check.skipped_rows("cuda", 8))
     assert "DDP on NCCL" not in many and "gloo on one GPU" in many

@@ -78,16 +78,27 @@ def test_a_strategy_that_accumulates_itself_is_refused():
     fit_expecting_error("DeepSpeed accumulates", strategy=HandlesAccumulation(device=torch.device("cpu")))
 
 
-def test_fsdp_is_refused():
+def test_fsdp1_is_served_sharded_and_refused_replicated_or_offloaded():
     from types import SimpleNamespace
 
     from lightning.pytorch.strategies import FSDPStrategy
 
     from lightning_simigrad.integration.neighbours import refuse_unsupported
 
-    fake_trainer = SimpleNamespace(strategy=FSDPStrategy(), callbacks=[])
-    with pytest.raises(RuntimeError, match="FSDPStrategy"):
-        refuse_unsupported(fake_trainer, Regressor(), max_micro_batch_size=None)
+    for served in ("FULL_SHARD", "SHARD_GRAD_OP"):
+        refuse_unsupported(
+            SimpleNamespace(strategy=FSDPStrategy(sharding_strategy=served), callbacks=[]), Regressor(), None
+        )
+    for refused, message in [
+        (
+            dict(sharding_strategy="HYBRID_SHARD", auto_wrap_policy={torch.nn.Linear}),
+            "`FSDPStrategy` uses HYBRID_SHARD",
+        ),
+        (dict(sharding_strategy="NO_SHARD"), "`FSDPStrategy` uses NO_SHARD"),
+        (dict(cpu_offload=True), "does not support CPU offload"),
+    ]:
+        with pytest.raises(RuntimeError, match=message):
+            refuse_unsupported(SimpleNamespace(strategy=FSDPStrategy(**refused), callbacks=[]), Regressor(), None)
 
 
 def test_gradient_accumulation_scheduler_is_refused():

@@ -20,6 +20,7 @@ class Scripted:
     """A measurement that hands back the statistics it is given, one per collected window, and logs its calls."""
 
     min_micro_batches = 2  # measured like one process: the window's halves in time
+    midpoint_reduction = False
 
     def __init__(self, *stats: HalfStats | None) -> None:
         self.stats = list(stats)
@@ -189,3 +190,26 @@ def test_a_batch_bound_below_what_a_measurement_needs_is_refused():
     with pytest.raises(ValueError, match=r"`max_batch_size` \(1\) is below the 2 samples a measurement needs"):
         settings = Settings(target_similarity=0.5, max_batch_size=1)
         Run(settings, Data(40, 4, False), Limits(), 1, 0, 0, 1, lambda: 0, Scripted())
+
+
+@pytest.mark.parametrize("midpoint_reduction", [False, True])
+def test_only_the_last_micro_batch_of_a_first_half_reduces_and_only_when_the_measurement_asks(midpoint_reduction):
+    measurement = Scripted(*[stats(0.5)] * 3)
+    measurement.midpoint_reduction = midpoint_reduction
+    run, batches = make_run(measurement, samples=60)
+    params = [torch.nn.Parameter(torch.zeros(1))]
+    for _ in range(2):
+        marks = []
+        while True:
+            micro = run.start_micro_batch(params)
+            batches.pop(0)
+            marks.append(micro.reduces)
+            params[0].grad = torch.ones(1)
+            run.after_backward(params)
+            if micro.last:
+                run.finish_step(params, loss_scale=None)
+                break
+        # a window of 2 micro-batches (B0 = 8), then of 3 (9 samples): the first half is micro-batches 0..k/2-1
+        half = micro.window.half_split()
+        assert len(marks) == micro.window.num_micro_batches >= 2
+        assert marks == [midpoint_reduction and i == half - 1 for i in range(len(marks))]

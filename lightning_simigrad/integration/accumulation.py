@@ -5,8 +5,11 @@ and "zero the gradients now?" with ``batch_idx % accumulate_grad_batches == 0``.
 ``accumulate_grad_batches`` mid-epoch misplaces both boundaries (a window of 4 followed by one of
 3 gives 4, 2, 4, ...: the previous window's gradient leaks into the next). So, for the length of a
 fit, :class:`VariableAccumulation` replaces those two decisions on the loop *instances* with ones
-read from the current window plan. Everything that follows from them in Lightning -- DDP's
-``no_sync``, ``global_step``, LR-scheduler stepping, logging cadence -- then follows the windows. An
+read from the current window plan. Everything that follows from them in Lightning -- DDP's and FSDP1's
+``no_sync``, ``global_step``, LR-scheduler stepping, logging cadence -- then follows the windows. A
+measurement that needs the gradient reduced at a window's midpoint too (FSDP1's,
+:mod:`~lightning_simigrad.measurement.midpoint_reduction`) gets that one backward out of ``no_sync``: the
+strategy's public ``block_backward_sync`` is wrapped on the instance for the fit. An
 epoch that runs no backward (``fit_loop._skip_backward``: ``StochasticWeightAveraging``'s BatchNorm
 epoch) accumulates throughout, so nothing steps in it.
 
@@ -25,7 +28,8 @@ when a fit starts, and the package pins Lightning's minor version.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
@@ -42,6 +46,7 @@ class VariableAccumulation:
         self.window_start = True
         self.window_end = True
         self.loss_divisor = 1.0
+        self.reduces = False  # the current micro-batch's backward reduces though its window goes on
         self._trainer: pl.Trainer | None = None
         self._user_accumulate_grad_batches: Any = 1
         self._set_length: Any = 1  # what `trainer.accumulate_grad_batches` was last set to here (or the user's)
@@ -61,6 +66,18 @@ class VariableAccumulation:
         )
         automatic._make_zero_grad_fn = self._make_zero_grad_fn  # type: ignore[method-assign]
         automatic.output_result_cls = _WindowWeightedResult(self)  # type: ignore[assignment]
+        block = getattr(trainer.strategy, "block_backward_sync", None)  # a parallel strategy's
+        if block is not None:
+
+            @contextmanager
+            def block_unless_reducing() -> Iterator[None]:
+                if self.reduces:
+                    yield None
+                else:
+                    with block():
+                        yield None
+
+            trainer.strategy.block_backward_sync = block_unless_reducing  # type: ignore[attr-defined]
 
     def detach(self) -> None:
         trainer = self._trainer
@@ -72,12 +89,15 @@ class VariableAccumulation:
         epoch_loop.__dict__.pop("_should_accumulate", None)
         epoch_loop.automatic_optimization.__dict__.pop("_make_zero_grad_fn", None)
         epoch_loop.automatic_optimization.__dict__.pop("output_result_cls", None)
+        trainer.strategy.__dict__.pop("block_backward_sync", None)
         trainer.accumulate_grad_batches = self._user_accumulate_grad_batches
         self._trainer = None
 
-    def set_micro_batch(self, start: bool, end: bool, loss_divisor: float, window_length: int) -> None:
-        """Declare the micro-batch about to run: first/last of its window, its loss divisor and the
-        window's number of micro-batches.
+    def set_micro_batch(
+        self, start: bool, end: bool, loss_divisor: float, window_length: int, reduces: bool = False
+    ) -> None:
+        """Declare the micro-batch about to run: first/last of its window, its loss divisor, the
+        window's number of micro-batches, and whether its backward must reduce though the window goes on.
 
         Raises:
             RuntimeError: when something else (a callback's own accumulation schedule) changed
@@ -98,6 +118,7 @@ class VariableAccumulation:
         self.window_start = start
         self.window_end = end
         self.loss_divisor = loss_divisor
+        self.reduces = reduces
         trainer.accumulate_grad_batches = window_length
 
     def _make_zero_grad_fn(self, batch_idx: int, optimizer: Optimizer) -> Callable[[], None] | None:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.trainer.connectors.data_connector import _DataLoaderSource
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, SequentialSampler
@@ -22,6 +22,7 @@ from lightning_simigrad.core.settings import Settings
 from lightning_simigrad.data.sampler import AdaptiveBatchSampler, shuffles, with_batch_sampler
 from lightning_simigrad.measurement import (
     Measurement,
+    MidpointReductionMeasurement,
     RankGroupMeasurement,
     ShardedHalvesMeasurement,
     WindowHalvesMeasurement,
@@ -173,4 +174,6 @@ def measurement_for(trainer: pl.Trainer) -> Measurement:
     """The measurement of a fit as ``trainer`` trains it."""
     if isinstance(trainer.strategy, ModelParallelStrategy):
         return ShardedHalvesMeasurement()
+    if isinstance(trainer.strategy, FSDPStrategy):  # FSDP1 keeps each rank's gradient unreduced while accumulating
+        return MidpointReductionMeasurement()
     return WindowHalvesMeasurement() if trainer.world_size == 1 else RankGroupMeasurement()

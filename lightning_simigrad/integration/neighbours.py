@@ -27,7 +27,13 @@ from lightning.pytorch.callbacks import (
     LearningRateFinder,
     LearningRateMonitor,
 )
-from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy, Strategy
+from lightning.pytorch.strategies import (
+    DDPStrategy,
+    FSDPStrategy,
+    ModelParallelStrategy,
+    SingleDeviceStrategy,
+    Strategy,
+)
 from lightning.pytorch.utilities.parsing import lightning_getattr
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch.utils.data import DataLoader, IterableDataset
@@ -50,23 +56,15 @@ def refuse_unsupported(trainer: pl.Trainer, pl_module: pl.LightningModule, max_m
             " this LightningModule sets `automatic_optimization = False`. Use automatic optimization."
         )
     strategy: Strategy = trainer.strategy
-    served = (SingleDeviceStrategy, DDPStrategy, ModelParallelStrategy)
+    served = (SingleDeviceStrategy, DDPStrategy, ModelParallelStrategy, FSDPStrategy)
     if not isinstance(strategy, served) or strategy.handles_gradient_accumulation:
         raise RuntimeError(
-            f"SimiGrad supports a single device, DDP (`strategy='ddp'`, 'ddp_spawn', ...) and FSDP2 through"
-            f" `ModelParallelStrategy`; the Trainer uses `{type(strategy).__name__}`. DeepSpeed accumulates"
-            " gradients itself, where the half-batch gradients cannot be measured, and FSDP1 (`FSDPStrategy`) is"
-            " not supported yet. Use `strategy='ddp'`, or `ModelParallelStrategy(tensor_parallel_size=1)` with"
-            " `fully_shard` applied in `configure_model`."
+            f"SimiGrad supports a single device, DDP (`strategy='ddp'`, 'ddp_spawn', ...), FSDP1 (`strategy='fsdp'`)"
+            f" and FSDP2 through `ModelParallelStrategy`; the Trainer uses `{type(strategy).__name__}`. DeepSpeed"
+            " accumulates gradients itself, where the half-batch gradients cannot be measured. Use one of those."
         )
-    if isinstance(strategy, ModelParallelStrategy):
-        tensor_parallel = strategy.device_mesh["tensor_parallel"].size()
-        if tensor_parallel != 1:
-            raise RuntimeError(
-                f"SimiGrad under `ModelParallelStrategy` supports data parallelism with FSDP2 only; this one has"
-                f" `tensor_parallel_size={tensor_parallel}`. Tensor parallelism is not supported yet: use"
-                " `ModelParallelStrategy(data_parallel_size=..., tensor_parallel_size=1)`."
-            )
+    if isinstance(strategy, FSDPStrategy):
+        refuse_unserved_fsdp1(strategy.sharding_strategy.name, strategy.cpu_offload, "`FSDPStrategy`")
     if is_param_in_hook_signature(pl_module.training_step, "dataloader_iter", explicit=True):
         raise RuntimeError(
             "SimiGrad plans every micro-batch of a step, so `training_step` must take the batch Lightning gives it;"
@@ -84,6 +82,36 @@ def refuse_unsupported(trainer: pl.Trainer, pl_module: pl.LightningModule, max_m
                 f" `max_micro_batch_size`; this SimiGrad fixes `max_micro_batch_size={max_micro_batch_size}`."
                 " Remove one of the two."
             )
+
+
+FSDP1_SHARDINGS = ("FULL_SHARD", "SHARD_GRAD_OP")  # every rank holds a disjoint shard of the reduced gradient
+
+
+def refuse_unserved_fsdp1(sharding: str, cpu_offload: Any, where: str) -> None:
+    """FSDP1 as :mod:`~lightning_simigrad.measurement.midpoint_reduction` serves it: sharded over every rank,
+    the gradient on the device."""
+    if sharding not in FSDP1_SHARDINGS:
+        raise RuntimeError(
+            f"SimiGrad under FSDP1 supports `sharding_strategy` {' or '.join(FSDP1_SHARDINGS)}; {where} uses"
+            f" {sharding}, whose gradient is replicated across ranks. For hybrid sharding use"
+            " `ModelParallelStrategy` with `fully_shard` on a (replicate, shard) mesh; for NO_SHARD use"
+            " `strategy='ddp'`."
+        )
+    if getattr(cpu_offload, "offload_params", False):
+        raise RuntimeError(
+            f"SimiGrad under FSDP1 does not support CPU offload (untested: the measurement would read every gradient"
+            f" shard on the CPU); {where} sets `cpu_offload={cpu_offload}`. Remove `cpu_offload`."
+        )
+
+
+def check_fsdp1_units(model: Any) -> None:
+    """Every FSDP1 unit of the wrapped model served (units the module wrapped itself in ``configure_model`` too)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    for unit in model.modules():
+        if isinstance(unit, FullyShardedDataParallel):
+            name = type(unit.module).__name__
+            refuse_unserved_fsdp1(unit.sharding_strategy.name, unit.cpu_offload, f"the FSDP unit around `{name}`")
 
 
 def refuse_several_optimizers(trainer: pl.Trainer) -> None:

@@ -1,5 +1,6 @@
 """Measurements of the two half-batch gradients, one per way of training (see :mod:`.protocol`)."""
 
+from lightning_simigrad.measurement.midpoint_reduction import MidpointReductionMeasurement
 from lightning_simigrad.measurement.protocol import Measurement, MeasurementError, loss_scale_of
 from lightning_simigrad.measurement.rank_groups import MeasurementSkipped, RankGroupMeasurement
 from lightning_simigrad.measurement.sharded_halves import ShardedHalvesMeasurement
@@ -9,6 +10,7 @@ __all__ = [
     "Measurement",
     "MeasurementError",
     "MeasurementSkipped",
+    "MidpointReductionMeasurement",
     "RankGroupMeasurement",
     "ShardedHalvesMeasurement",
     "WindowHalvesMeasurement",

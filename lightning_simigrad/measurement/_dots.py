@@ -55,6 +55,7 @@ __all__ = [
     "gram_and_add_",
     "gram_and_add_all_",
     "gram_of_sum",
+    "norm_weights",
     "scratch_bytes",
     "square",
     "wide_dtype",
@@ -148,7 +149,11 @@ def square(x: Tensor) -> Tensor:
 
 
 def gram_and_add_all_(
-    a: Sequence[Tensor], b: Sequence[Tensor], a_only: Sequence[Tensor] = (), b_only: Sequence[Tensor] = ()
+    a: Sequence[Tensor],
+    b: Sequence[Tensor],
+    a_only: Sequence[Tensor] = (),
+    b_only: Sequence[Tensor] = (),
+    weights: Tensor | None = None,
 ) -> Tensor:
     """``[s.s, s.r, r.r]`` over every pair ``(a[i], b[i])`` and the unpaired tensors, then ``b[i] += a[i]``.
 
@@ -156,6 +161,11 @@ def gram_and_add_all_(
     ``b_only`` are pieces whose partner is zero (a parameter with a gradient in one half only). All tensors
     lie on one device. About fifteen ops whatever the number of tensors; see the module docstring for the
     precision. Returns a tensor of shape (3,) in :func:`wide_dtype`.
+
+    ``weights``, when given, weighs each tensor's contribution to the products (one more op): a vector in
+    :func:`wide_dtype` on the tensors' device, laid out by :func:`norm_weights`. Under FSDP2 a piece held
+    alike by several ranks (a replicated mesh dimension) is weighed by one over their number, so that the
+    ranks' products add up to the whole gradient's.
     """
     first = next((t for t in (*a, *a_only, *b, *b_only)), None)
     if first is None:
@@ -170,6 +180,8 @@ def gram_and_add_all_(
         _compat.foreach_add_(list(b), list(a))  # the addition plain accumulation does, fused
         norms += _compat.foreach_norm(list(b), norm_dtype)
     squares = torch.stack(norms).to(wide).square()
+    if weights is not None:
+        squares = squares * weights
     na, nao, nb, nbo = len(a), len(a_only), len(b), len(b_only)
     ss = squares[: na + nao].sum()
     rr = squares[na + nao : na + nao + nb + nbo].sum()
@@ -178,3 +190,14 @@ def gram_and_add_all_(
     else:
         sr = torch.zeros((), dtype=wide, device=device)
     return torch.stack([ss, sr, rr])
+
+
+def norm_weights(pairs: Sequence[float], a_only: Sequence[float] = (), b_only: Sequence[float] = ()) -> list[float]:
+    """The ``weights`` of :func:`gram_and_add_all_` in its layout, from one weight per pair and per unpaired tensor.
+
+    A pair ``(a[i], b[i])`` is two halves of one gradient and has one weight, which also weighs their sum.
+
+    >>> norm_weights([1.0, 0.5], [0.25], [2.0])
+    [1.0, 0.5, 0.25, 1.0, 0.5, 2.0, 1.0, 0.5]
+    """
+    return [*pairs, *a_only, *pairs, *b_only, *pairs]

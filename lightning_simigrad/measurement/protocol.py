@@ -19,10 +19,13 @@ and :meth:`~Measurement.close` when the fit ends. The implementations:
 - :class:`~lightning_simigrad.measurement.rank_groups.RankGroupMeasurement`: DDP, two groups of ranks,
   inside the communication hook;
 - :class:`~lightning_simigrad.measurement.sharded_halves.ShardedHalvesMeasurement`: FSDP2, the window's
-  halves in time on every rank's gradient shards.
+  halves in time on every rank's gradient shards;
+- :class:`~lightning_simigrad.measurement.midpoint_reduction.MidpointReductionMeasurement`: FSDP1, the same
+  halves, with the gradient reduced at the window's midpoint too.
 
-A new measurement (a fused device kernel, say) implements these five methods and ``min_micro_batches``; the run and the
-callback do not change. Every measurement reads the loss scale the same way, through :func:`loss_scale_of`.
+A new measurement (a fused device kernel, say) implements these five methods, ``min_micro_batches`` and
+``midpoint_reduction``; the run and the callback do not change. Every measurement reads the loss scale the same
+way, through :func:`loss_scale_of`.
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ class Measurement(Protocol):
     """Measures the half-batch gradients of each window (see the module docstring for the call order)."""
 
     min_micro_batches: int  # the fewest micro-batches per rank a window needs for two halves
+    # the last backward of a window's first half must reduce the gradient across ranks (leave DDP/FSDP1 `no_sync`)
+    midpoint_reduction: bool
 
     def start_micro_batch(self, window: Window, index: int, params: Sequence[Tensor]) -> None:
         """Micro-batch ``index`` of ``window`` is about to run its forward and backward."""

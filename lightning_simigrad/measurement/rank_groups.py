@@ -168,6 +168,7 @@ class RankGroupMeasurement:
     """
 
     min_micro_batches = 1  # the halves are two groups of ranks: one micro-batch per rank suffices
+    midpoint_reduction = False  # measured in the window's one reduction
 
     def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
         if not (dist.is_available() and dist.is_initialized()):

@@ -57,6 +57,7 @@ class WindowHalvesMeasurement:
     """
 
     min_micro_batches = 2  # two halves in time
+    midpoint_reduction = False  # one process, or FSDP2 (which reduces every micro-batch)
 
     def __init__(self) -> None:
         self._first: list[tuple[Tensor, Tensor]] = []
@@ -157,11 +158,12 @@ class WindowHalvesMeasurement:
         for p in params:  # a gradient only in the second half
             if id(p) not in aside and p.grad is not None:
                 second_only.append(p.grad)
+        weights = self.weights(firsts, seconds, first_only, second_only)  # read off the gradients themselves
         storage = self.storage
         firsts, seconds, first_only, second_only = (
             [storage(t) for t in pieces] for pieces in (firsts, seconds, first_only, second_only)
         )
-        products = gram_and_add_all_(firsts, seconds, first_only, second_only)
+        products = gram_and_add_all_(firsts, seconds, first_only, second_only, weights)
         self._release_read()
         self._read, self._first = firsts, []
         return products
@@ -170,6 +172,18 @@ class WindowHalvesMeasurement:
     def storage(grad: Tensor) -> Tensor:
         """The tensor a gradient's values live in, which the products read and the re-joining adds into."""
         return grad
+
+    def weights(
+        self,
+        firsts: Sequence[Tensor],
+        seconds: Sequence[Tensor],
+        first_only: Sequence[Tensor],
+        second_only: Sequence[Tensor],
+    ) -> Tensor | None:
+        """How much each gradient tensor's products count (the layout of
+        :func:`~lightning_simigrad.measurement._dots.norm_weights`), or None when every tensor counts once: on
+        one process each tensor is a whole gradient of its own."""
+        return None
 
     def _release_read(self) -> None:
         """Forget set-aside tensors still held for the products' reads, marking them where that is needed."""

@@ -1,0 +1,138 @@
+"""SimiGrad under FSDP1: Lightning's ``FSDPStrategy`` (through a CPU subclass, gloo), each ``nn.Linear`` its own unit.
+
+FSDP1 accumulates inside ``no_sync`` (each rank's gradient unreduced and unsharded until the window's last
+backward); the measurement has the last backward of the window's first half reduce too
+(:mod:`lightning_simigrad.measurement.midpoint_reduction`). The audit (:class:`~lightning_simigrad.testing.StepAudit`)
+reads the full gradient with ``summon_full_params`` and recomputes it in float64 over exactly the step's samples
+(Lightning's FSDP1 precision ``32-true`` computes the float64 module in float32: relative errors about 1e-7).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from distributed import run_ok
+from fsdp_modules import as_external_process, fsdp1
+from helpers import IndexedRegression, Regressor, trainer
+from test_fsdp import N, RegressionLoss, batch_indices, check_exact_steps
+from torch.distributed.fsdp import CPUOffload, FullyShardedDataParallel
+from torch.utils.data import DataLoader
+
+from lightning_simigrad import SimiGrad
+from lightning_simigrad.testing import StepAudit
+
+
+def _audited_fit(rank: int, world: int, sharding: str) -> dict:
+    as_external_process(rank, world)
+    dataset = IndexedRegression(N)
+    audit = StepAudit(indices=batch_indices, mean_loss=RegressionLoss(dataset))
+    cb = SimiGrad(target_similarity=0.9, max_micro_batch_size=5)
+    t = trainer(devices=world, strategy=fsdp1(world, sharding_strategy=sharding), max_epochs=2, callbacks=[cb, audit])
+    t.fit(Regressor(), DataLoader(dataset, batch_size=5, shuffle=True))
+    return dict(
+        history=cb.history,
+        steps=[dataclasses.asdict(step) for step in audit.steps],
+        measurement=type(cb.run.measurement).__name__,
+        min_micro_batches=cb.run.measurement.min_micro_batches,
+    )
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("sharding", ["FULL_SHARD", "SHARD_GRAD_OP"])
+def test_fsdp1_steps_are_exact_and_measure_the_halves_in_time(sharding):
+    check_exact_steps(run_ok(_audited_fit, 2, sharding, deadline_s=120), 2, "MidpointReductionMeasurement")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_fsdp1_steps_are_exact_on_three_ranks():
+    check_exact_steps(run_ok(_audited_fit, 3, "FULL_SHARD", deadline_s=360), 3, "MidpointReductionMeasurement")
+
+
+def _refused_fit(rank: int, world: int, case: str) -> tuple[str, int]:
+    as_external_process(rank, world)
+    kwargs = {"hybrid": dict(sharding_strategy="HYBRID_SHARD"), "no shard": dict(sharding_strategy="NO_SHARD")}.get(
+        case, {}
+    )
+    if case == "cpu offload":
+        kwargs = dict(cpu_offload=CPUOffload(offload_params=True))
+    module = Regressor()
+    t = trainer(devices=world, strategy=fsdp1(world, **kwargs), callbacks=[SimiGrad(target_similarity=0.8)])
+    try:
+        t.fit(module, DataLoader(IndexedRegression(32), batch_size=4))
+    except RuntimeError as error:
+        return str(error), len(module.micro_batches)
+    return "", len(module.micro_batches)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "case,message",
+    [
+        ("hybrid", "uses HYBRID_SHARD"),
+        ("no shard", "uses NO_SHARD"),
+        ("cpu offload", "does not support CPU offload"),
+    ],
+)
+def test_what_fsdp1_measurement_cannot_serve_is_refused_before_the_first_step(case, message):
+    for error, trained in run_ok(_refused_fit, 2, case, deadline_s=90):
+        assert message in error
+        assert trained == 0
+
+
+class ClippedNorm(pl.Callback):
+    """The norm of the gradient the optimizer applied, read where the next window zeroes it (after clipping)."""
+
+    def __init__(self) -> None:
+        self.norms: list[float] = []
+
+    def on_before_zero_grad(self, trainer, pl_module, optimizer):
+        with FullyShardedDataParallel.summon_full_params(trainer.strategy.model, writeback=False, with_grads=True):
+            grads = [p.grad.double().reshape(-1) for p in pl_module.parameters() if p.grad is not None]
+            if grads:
+                self.norms.append(float(torch.cat(grads).norm()))
+
+
+CLIP = 0.05
+
+
+class ClippedRegressor(Regressor):
+    """Norm clipping as Lightning documents it under FSDP1 (`gradient_clip_val` clips by norm only without FSDP)."""
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        self.trainer.strategy.model.clip_grad_norm_(CLIP)  # FSDP1's sharded clip: the norm over every rank's shard
+
+
+def _mixed_precision_clipped_fit(rank: int, world: int) -> dict:
+    as_external_process(rank, world)
+    dataset = IndexedRegression(N, dtype=torch.float32)  # FSDP1's clip_grad_norm_ takes no float64 gradient
+    audit = StepAudit(indices=batch_indices, mean_loss=RegressionLoss(dataset))
+    cb, clipped = SimiGrad(target_similarity=0.9, max_micro_batch_size=5), ClippedNorm()
+    t = trainer(
+        devices=world,
+        strategy=fsdp1(world),
+        precision="bf16-mixed",
+        max_epochs=1,
+        callbacks=[cb, audit, clipped],
+    )
+    t.fit(ClippedRegressor(dtype=torch.float32), DataLoader(dataset, batch_size=5, shuffle=True))
+    return dict(history=cb.history, steps=[dataclasses.asdict(s) for s in audit.steps], clipped=clipped.norms)
+
+
+@pytest.mark.timeout(150)
+def test_fsdp1_bf16_mixed_precision_and_gradient_clipping_work_unchanged():
+    ranks = run_ok(_mixed_precision_clipped_fit, 2, deadline_s=120)
+    history, steps, clipped = ranks[0]["history"], ranks[0]["steps"], ranks[0]["clipped"]
+    assert len({h["batch_size"] for h in history}) > 2  # measured and adapting
+    measured = [(h, s) for h, s in zip(history, steps) if math.isfinite(h["similarity"])]
+    assert len(measured) >= len(history) - 2
+    for row, step in measured:  # bf16 forward and backward, bf16 reduction: about 1e-2 of the float64 reference
+        assert step["grad_rel_error"] < 5e-2
+        assert row["similarity"] == pytest.approx(step["similarity"], abs=5e-2)
+    # FSDP1's sharded clip_grad_norm_ ran on the gradient SimiGrad left: every step applied a norm of at most CLIP
+    assert len(clipped) == len(history) - 1 and all(n <= CLIP * (1 + 1e-3) for n in clipped), clipped
+    assert sum(n > 0.99 * CLIP for n in clipped) >= len(clipped) // 2  # and clipping was active
