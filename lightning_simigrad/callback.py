@@ -24,10 +24,7 @@ from lightning_simigrad.integration.progress import SampleProgress
 from lightning_simigrad.integration.progress_bar import EpochProgress
 from lightning_simigrad.integration.reporting import METRICS, Reporting
 from lightning_simigrad.integration.spawn_results import Origin
-from lightning_simigrad.measurement.midpoint_reduction import MidpointReductionMeasurement
 from lightning_simigrad.measurement.protocol import loss_scale_of
-from lightning_simigrad.measurement.rank_groups import RankGroupMeasurement
-from lightning_simigrad.measurement.sharded_halves import ShardedHalvesMeasurement, check_sharding
 from lightning_simigrad.run import Run
 
 __all__ = ["METRICS", "SimiGrad"]
@@ -192,12 +189,8 @@ class SimiGrad(CallbackState):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # here rather than in `on_fit_start`, after every other callback's: a communication hook one of them
         # registers there is then found and refused with a clear error, not met by torch's own
-        if self.run is not None and isinstance(self.run.measurement, RankGroupMeasurement):
-            self.run.measurement.register(trainer.strategy.model)  # type: ignore[arg-type]
-        if self.run is not None and isinstance(self.run.measurement, MidpointReductionMeasurement):
-            neighbours.check_fsdp1_units(trainer.strategy.model)  # wrapped by now, by the strategy or the module
-        elif self.run is not None and isinstance(self.run.measurement, ShardedHalvesMeasurement):
-            check_sharding(list(pl_module.parameters()), self.run.world_size)  # FSDP2 has sharded them by now
+        if self.run is not None:
+            data_source.attach_measurement(self.run.measurement, trainer, pl_module, self.run.world_size)
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

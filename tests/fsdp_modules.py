@@ -18,7 +18,8 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
-from lightning_simigrad.testing import CPUFSDPStrategy
+from lightning_simigrad import SimiGrad
+from lightning_simigrad.testing import CPUFSDPStrategy, StepAudit
 
 
 def as_external_process(rank: int, world_size: int) -> None:
@@ -99,3 +100,26 @@ def fsdp1(world_size: int, **kwargs) -> CPUFSDPStrategy:
 
     kwargs.setdefault("auto_wrap_policy", ModuleWrapPolicy({nn.Linear}))
     return CPUFSDPStrategy(process_group_backend="gloo", **kwargs)
+
+
+class RecordStatistics:
+    """Wraps the measurement's ``collect`` to keep what it returns at every step: the halves' products."""
+
+    def __init__(self, measurement) -> None:
+        self.products: list[tuple[float, float, float] | None] = []
+        collect = measurement.collect
+
+        def recording(loss_scale):
+            stats = collect(loss_scale)
+            self.products.append((stats.dot, stats.sq_a, stats.sq_b) if stats is not None else None)
+            return stats
+
+        measurement.collect = recording  # type: ignore[method-assign]
+
+
+class Recorder(StepAudit):
+    """The step audit, and the measurement's own products of every step."""
+
+    def on_train_start(self, trainer, pl_module):
+        simigrad = next(c for c in trainer.callbacks if isinstance(c, SimiGrad))
+        self.recorded = RecordStatistics(simigrad.run.measurement)

@@ -16,26 +16,29 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from distributed import run_ok
-from fsdp_modules import as_external_process, fsdp1
+from fsdp_modules import Recorder, as_external_process, fsdp1
 from helpers import IndexedRegression, Regressor, trainer
 from test_fsdp import N, RegressionLoss, batch_indices, check_exact_steps
 from torch.distributed.fsdp import CPUOffload, FullyShardedDataParallel
 from torch.utils.data import DataLoader
 
-from lightning_simigrad import SimiGrad
+from lightning_simigrad import MeasurementError, SimiGrad
 from lightning_simigrad.testing import StepAudit
+
+FLOAT32 = 1e-5  # the halves' products computed in float32 (FSDP1 under Lightning's `32-true`) against float64
 
 
 def _audited_fit(rank: int, world: int, sharding: str) -> dict:
     as_external_process(rank, world)
     dataset = IndexedRegression(N)
-    audit = StepAudit(indices=batch_indices, mean_loss=RegressionLoss(dataset))
+    audit = Recorder(indices=batch_indices, mean_loss=RegressionLoss(dataset))
     cb = SimiGrad(target_similarity=0.9, max_micro_batch_size=5)
     t = trainer(devices=world, strategy=fsdp1(world, sharding_strategy=sharding), max_epochs=2, callbacks=[cb, audit])
     t.fit(Regressor(), DataLoader(dataset, batch_size=5, shuffle=True))
     return dict(
         history=cb.history,
         steps=[dataclasses.asdict(step) for step in audit.steps],
+        products=audit.recorded.products,
         measurement=type(cb.run.measurement).__name__,
         min_micro_batches=cb.run.measurement.min_micro_batches,
     )
@@ -43,25 +46,48 @@ def _audited_fit(rank: int, world: int, sharding: str) -> dict:
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("sharding", ["FULL_SHARD", "SHARD_GRAD_OP"])
-def test_fsdp1_steps_are_exact_and_measure_the_halves_in_time(sharding):
-    check_exact_steps(run_ok(_audited_fit, 2, sharding, deadline_s=120), 2, "MidpointReductionMeasurement")
+def test_fsdp1_steps_are_exact_and_measure_two_rank_groups_inside_the_reduce_scatter(sharding):
+    ranks = run_ok(_audited_fit, 2, sharding, deadline_s=120)
+    check_exact_steps(ranks, 2, "TwoStageReduceScatterMeasurement", min_micro_batches=1, products_rel=FLOAT32)
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(400)
-def test_fsdp1_steps_are_exact_on_three_ranks():
-    check_exact_steps(run_ok(_audited_fit, 3, "FULL_SHARD", deadline_s=360), 3, "MidpointReductionMeasurement")
+@pytest.mark.timeout(200)
+def test_fsdp1_on_four_ranks_reduces_in_two_stages_exactly():
+    # groups {0, 1} and {2, 3} reduce-scatter within themselves, then partners (0, 2) and (1, 3) exchange halves
+    ranks = run_ok(_audited_fit, 4, "FULL_SHARD", deadline_s=170)
+    check_exact_steps(ranks, 4, "TwoStageReduceScatterMeasurement", min_micro_batches=1, products_rel=FLOAT32)
+
+
+@pytest.mark.timeout(200)
+def test_fsdp1_on_an_odd_number_of_ranks_reduces_at_the_midpoint_too_and_measures_the_halves_in_time():
+    ranks = run_ok(_audited_fit, 3, "FULL_SHARD", deadline_s=170)
+    check_exact_steps(ranks, 3, "MidpointReductionMeasurement", products_rel=FLOAT32)
+
+
+class OwnCommunicationHook(pl.Callback):
+    """A user's FSDP1 communication hook, registered when the fit starts (FSDP1 takes one)."""
+
+    def on_fit_start(self, trainer, pl_module):
+        from torch.distributed.algorithms._comm_hooks import default_hooks
+
+        state = default_hooks.DefaultState(torch.distributed.group.WORLD)
+        trainer.strategy.model.register_comm_hook(state, default_hooks.reduce_scatter_hook)
 
 
 def _refused_fit(rank: int, world: int, case: str) -> tuple[str, int]:
     as_external_process(rank, world)
-    kwargs = {"hybrid": dict(sharding_strategy="HYBRID_SHARD"), "no shard": dict(sharding_strategy="NO_SHARD")}.get(
-        case, {}
-    )
-    if case == "cpu offload":
-        kwargs = dict(cpu_offload=CPUOffload(offload_params=True))
+    kwargs = {
+        "hybrid": dict(sharding_strategy="HYBRID_SHARD"),
+        "no shard": dict(sharding_strategy="NO_SHARD"),
+        "cpu offload": dict(cpu_offload=CPUOffload(offload_params=True)),
+    }.get(case, {})
+    if case == "subgroup":  # two halves of the ranks, each sharding over itself: nothing reduces between them
+        halves = [torch.distributed.new_group([0, 1]), torch.distributed.new_group([2, 3])]
+        kwargs = dict(process_group=halves[rank // 2])
     module = Regressor()
-    t = trainer(devices=world, strategy=fsdp1(world, **kwargs), callbacks=[SimiGrad(target_similarity=0.8)])
+    others = [OwnCommunicationHook()] if case == "own hook" else []
+    callbacks = [SimiGrad(target_similarity=0.8), *others]
+    t = trainer(devices=world, strategy=fsdp1(world, **kwargs), callbacks=callbacks)
     try:
         t.fit(module, DataLoader(IndexedRegression(32), batch_size=4))
     except RuntimeError as error:
@@ -76,10 +102,12 @@ def _refused_fit(rank: int, world: int, case: str) -> tuple[str, int]:
         ("hybrid", "uses HYBRID_SHARD"),
         ("no shard", "uses NO_SHARD"),
         ("cpu offload", "does not support CPU offload"),
+        ("subgroup", "is sharded over ranks ["),
+        ("own hook", "this model has one already"),
     ],
 )
 def test_what_fsdp1_measurement_cannot_serve_is_refused_before_the_first_step(case, message):
-    for error, trained in run_ok(_refused_fit, 2, case, deadline_s=90):
+    for error, trained in run_ok(_refused_fit, 4 if case == "subgroup" else 2, case, deadline_s=90):
         assert message in error
         assert trained == 0
 
@@ -136,3 +164,35 @@ def test_fsdp1_bf16_mixed_precision_and_gradient_clipping_work_unchanged():
     # FSDP1's sharded clip_grad_norm_ ran on the gradient SimiGrad left: every step applied a norm of at most CLIP
     assert len(clipped) == len(history) - 1 and all(n <= CLIP * (1 + 1e-3) for n in clipped), clipped
     assert sum(n > 0.99 * CLIP for n in clipped) >= len(clipped) // 2  # and clipping was active
+
+
+def _failing_fit(rank: int, world: int) -> dict:
+    """Rank 1's products fail inside the reduce-scatter hook at its third unit: every rank must stop alike."""
+    from lightning_simigrad.measurement import two_stage_reduce_scatter
+
+    as_external_process(rank, world)
+    calls, gram = [0], two_stage_reduce_scatter.gram
+
+    def failing(u, v):
+        calls[0] += 1
+        if rank == 1 and calls[0] == 3:
+            raise FloatingPointError("a fault in rank 1's products")
+        return gram(u, v)
+
+    two_stage_reduce_scatter.gram = failing
+    cb = SimiGrad(target_similarity=0.9, max_micro_batch_size=5)
+    t = trainer(devices=world, strategy=fsdp1(world), max_epochs=1, callbacks=[cb])
+    try:
+        t.fit(Regressor(), DataLoader(IndexedRegression(N), batch_size=5, shuffle=True))
+    except MeasurementError as error:
+        return dict(error=str(error), cause=repr(error.__cause__), steps=len(cb.history), at=t.global_step)
+    return dict(error="", steps=len(cb.history))
+
+
+@pytest.mark.timeout(120)
+def test_a_fault_in_one_ranks_products_stops_every_rank_at_the_same_step():
+    ranks = run_ok(_failing_fit, 2, deadline_s=90)
+    assert all("failed on rank 1" in r["error"] for r in ranks), ranks
+    assert "FloatingPointError" in ranks[1]["cause"] and ranks[0]["cause"] == "None"
+    # the second step's hook failed (two units a step): no rank stepped on it
+    assert [r["steps"] for r in ranks] == [1, 1] and [r["at"] for r in ranks] == [1, 1]

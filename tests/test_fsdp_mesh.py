@@ -19,7 +19,7 @@ import math
 import pytest
 import torch
 from distributed import run_ok
-from fsdp_modules import as_external_process, shard, strategy
+from fsdp_modules import Recorder, as_external_process, shard, strategy
 from helpers import IndexedRegression, Regressor, trainer
 from test_fsdp import RegressionLoss, batch_indices, same
 from test_sharded_halves import SIZES, _data, _loss
@@ -29,7 +29,6 @@ from torch.utils.data import DataLoader
 from lightning_simigrad import MeasurementError, SimiGrad, Window
 from lightning_simigrad.measurement import ShardedHalvesMeasurement
 from lightning_simigrad.measurement.sharded_halves import check_sharding
-from lightning_simigrad.testing import StepAudit
 
 pytest.importorskip("torch.distributed.tensor.parallel")
 
@@ -216,29 +215,6 @@ class HSDPRegressor(Regressor):
             mesh = _hsdp_mesh(self.trainer.world_size)
             for part in (self.net[0], self.net[-1], self):
                 fully_shard(part, mesh=mesh)
-
-
-class RecordStatistics:
-    """Wraps the measurement's ``collect`` to keep what it returns at every step: the halves' products."""
-
-    def __init__(self, measurement: ShardedHalvesMeasurement) -> None:
-        self.products: list[tuple[float, float, float] | None] = []
-        collect = measurement.collect
-
-        def recording(loss_scale):
-            stats = collect(loss_scale)
-            self.products.append((stats.dot, stats.sq_a, stats.sq_b) if stats is not None else None)
-            return stats
-
-        measurement.collect = recording  # type: ignore[method-assign]
-
-
-class Recorder(StepAudit):
-    """The step audit, and the measurement's own products of every step."""
-
-    def on_train_start(self, trainer, pl_module):
-        simigrad = next(c for c in trainer.callbacks if isinstance(c, SimiGrad))
-        self.recorded = RecordStatistics(simigrad.run.measurement)
 
 
 def _mesh_fit(rank: int, world: int, layout: str) -> dict:

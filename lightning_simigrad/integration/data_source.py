@@ -20,13 +20,16 @@ from torch.utils.data import DataLoader, SequentialSampler
 
 from lightning_simigrad.core.settings import Settings
 from lightning_simigrad.data.sampler import AdaptiveBatchSampler, shuffles, with_batch_sampler
+from lightning_simigrad.integration import neighbours
 from lightning_simigrad.measurement import (
     Measurement,
     MidpointReductionMeasurement,
     RankGroupMeasurement,
     ShardedHalvesMeasurement,
+    TwoStageReduceScatterMeasurement,
     WindowHalvesMeasurement,
 )
+from lightning_simigrad.measurement.sharded_halves import check_sharding
 from lightning_simigrad.run import Data, Limits, Run
 from lightning_simigrad.state.resume import Restart
 
@@ -170,10 +173,28 @@ def data_parallel(trainer: pl.Trainer) -> tuple[int, int]:
     return trainer.world_size, trainer.global_rank
 
 
+def attach_measurement(
+    measurement: Measurement, trainer: pl.Trainer, pl_module: pl.LightningModule, data_parallel_size: int
+) -> None:
+    """Check the wrapped model the measurement will read, and hook it in where it measures inside a reduction.
+
+    Called when training starts: the strategy has wrapped (FSDP1) or the module sharded (FSDP2) the model by then.
+    """
+    if isinstance(measurement, RankGroupMeasurement):
+        measurement.register(trainer.strategy.model)  # type: ignore[arg-type]
+    elif isinstance(measurement, (MidpointReductionMeasurement, TwoStageReduceScatterMeasurement)):
+        neighbours.check_fsdp1_units(trainer.strategy.model)  # units the module wrapped itself in too
+        if isinstance(measurement, TwoStageReduceScatterMeasurement):
+            measurement.register(trainer.strategy.model)
+    elif isinstance(measurement, ShardedHalvesMeasurement):
+        check_sharding(list(pl_module.parameters()), data_parallel_size)
+
+
 def measurement_for(trainer: pl.Trainer) -> Measurement:
     """The measurement of a fit as ``trainer`` trains it."""
     if isinstance(trainer.strategy, ModelParallelStrategy):
         return ShardedHalvesMeasurement()
     if isinstance(trainer.strategy, FSDPStrategy):  # FSDP1 keeps each rank's gradient unreduced while accumulating
-        return MidpointReductionMeasurement()
+        # two rank groups inside the reduce-scatter need partners; on an odd number of ranks, a midpoint reduction
+        return TwoStageReduceScatterMeasurement() if trainer.world_size % 2 == 0 else MidpointReductionMeasurement()
     return WindowHalvesMeasurement() if trainer.world_size == 1 else RankGroupMeasurement()

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import (
     BatchSizeFinder,
     Callback,
@@ -108,10 +109,18 @@ def check_fsdp1_units(model: Any) -> None:
     """Every FSDP1 unit of the wrapped model served (units the module wrapped itself in ``configure_model`` too)."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
+    world = torch.distributed.get_world_size()
     for unit in model.modules():
         if isinstance(unit, FullyShardedDataParallel):
             name = type(unit.module).__name__
             refuse_unserved_fsdp1(unit.sharding_strategy.name, unit.cpu_offload, f"the FSDP unit around `{name}`")
+            ranks = torch.distributed.get_process_group_ranks(unit.process_group)
+            if len(ranks) != world:
+                raise RuntimeError(
+                    f"SimiGrad under FSDP1 measures units sharded over all {world} ranks; the FSDP unit around"
+                    f" `{name}` is sharded over ranks {ranks} (`process_group`). Shard every unit over all the ranks"
+                    " (leave `process_group` out)."
+                )
 
 
 def refuse_several_optimizers(trainer: pl.Trainer) -> None:

@@ -4,6 +4,7 @@ from lightning_simigrad.measurement.midpoint_reduction import MidpointReductionM
 from lightning_simigrad.measurement.protocol import Measurement, MeasurementError, loss_scale_of
 from lightning_simigrad.measurement.rank_groups import MeasurementSkipped, RankGroupMeasurement
 from lightning_simigrad.measurement.sharded_halves import ShardedHalvesMeasurement
+from lightning_simigrad.measurement.two_stage_reduce_scatter import TwoStageReduceScatterMeasurement
 from lightning_simigrad.measurement.window_halves import WindowHalvesMeasurement
 
 __all__ = [
@@ -13,6 +14,7 @@ __all__ = [
     "MidpointReductionMeasurement",
     "RankGroupMeasurement",
     "ShardedHalvesMeasurement",
+    "TwoStageReduceScatterMeasurement",
     "WindowHalvesMeasurement",
     "loss_scale_of",
 ]

@@ -32,15 +32,25 @@ window's own), one tiny all-gather (:math:`8W` bytes), the copy of :math:`s` and
 :math:`r`: :math:`2P/W` elements of memory per rank beside the :math:`P` of the unsharded gradient
 ``no_sync`` keeps. ``benchmarks/fsdp_overhead.py`` measures it.
 
-**Why not rank groups inside the reduce-scatter** (a communication hook, ``register_comm_hook``): a
-two-stage reduce-scatter (within each half of the ranks, then between partner ranks) moves the bytes of
-one flat reduce-scatter and leaves each rank its shard of both groups' sums, so it would cost no extra
-gradient traffic. But the hook then replaces FSDP1's reduction for every unit: its pre- and
-post-division, its reduce dtype, its padding and, with ``HYBRID_SHARD``, its second all-reduce, and it
-needs an even number of ranks and a permuting copy of each unit's gradient (the ranks' shards of a
-FlatParameter are contiguous, the stages' are not). The midpoint reduction touches no FSDP internals and
-serves any :math:`W`; a window of :math:`k \ge 2` micro-batches then sends twice plain FSDP1's gradient
-bytes, where FSDP2 under Lightning (which reduces every micro-batch) sends :math:`k` times.
+**Where it serves: an odd number of ranks.** On an even number,
+:class:`~lightning_simigrad.measurement.two_stage_reduce_scatter.TwoStageReduceScatterMeasurement` measures two
+groups of ranks inside a two-stage reduce-scatter that moves the bytes of FSDP1's own, at no extra gradient
+traffic; it needs partner ranks, which an odd number does not have. The two, measured by
+``benchmarks/fsdp_overhead.py --fsdp 1`` (a 0.92M-parameter encoder, 5 units, windows of 2 micro-batches per
+rank, bytes per step and rank):
+
+======  ==============================  =====================================================
+W       this module (midpoint)           two stages (``TwoStageReduceScatterMeasurement``)
+======  ==============================  =====================================================
+2       8,720.4 -> 10,569.8 kB (+21%)    8,720.4 -> 8,720.4 kB (+32 B); 5 all-to-alls for 5
+                                          reduce-scatters
+4       13,080.6 -> 15,854.7 kB (+21%)   13,080.6 -> 13,080.7 kB (+96 B); 5 group reduce-scatters
+                                          and 5 all-to-alls for 5 reduce-scatters
+======  ==============================  =====================================================
+
+The midpoint reduction sends twice plain FSDP1's gradient bytes with any window of :math:`k \ge 2`
+micro-batches (FSDP2 under Lightning, which reduces every micro-batch, sends :math:`k` times), holds a copy of
+the first half's shards, and touches no FSDP internals.
 
 Served: ``FULL_SHARD`` and ``SHARD_GRAD_OP`` without CPU offload, with ``use_orig_params`` either way
 (the parameters the optimizer steps are what is measured). The integration refuses the rest

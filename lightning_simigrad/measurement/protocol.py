@@ -20,8 +20,10 @@ and :meth:`~Measurement.close` when the fit ends. The implementations:
   inside the communication hook;
 - :class:`~lightning_simigrad.measurement.sharded_halves.ShardedHalvesMeasurement`: FSDP2, the window's
   halves in time on every rank's gradient shards;
-- :class:`~lightning_simigrad.measurement.midpoint_reduction.MidpointReductionMeasurement`: FSDP1, the same
-  halves, with the gradient reduced at the window's midpoint too.
+- :class:`~lightning_simigrad.measurement.two_stage_reduce_scatter.TwoStageReduceScatterMeasurement`: FSDP1 on
+  an even number of ranks, two groups of ranks inside a two-stage reduce-scatter;
+- :class:`~lightning_simigrad.measurement.midpoint_reduction.MidpointReductionMeasurement`: FSDP1 on an odd
+  number, the halves in time, with the gradient reduced at the window's midpoint too.
 
 A new measurement (a fused device kernel, say) implements these five methods, ``min_micro_batches`` and
 ``midpoint_reduction``; the run and the callback do not change. Every measurement reads the loss scale the same
