@@ -48,6 +48,12 @@ W       this module (midpoint)           two stages (``TwoStageReduceScatterMeas
                                           and 5 all-to-alls for 5 reduce-scatters
 ======  ==============================  =====================================================
 
+Both read the halves alike in precision: ``benchmarks/fsdp_accuracy.py`` (a float32 MLP, every step against
+float64 products of the same samples at the same weights) measured the products' largest relative error at
+2.3e-7 (two stages) and 1.8e-7 (midpoint) in float32, 2.5e-3 and 1.9e-3 with bf16 parameters and a float32
+reduction, 2.3e-3 and 2.1e-3 with both in bf16 -- bf16's own forward and backward, about the same for FSDP2's
+halves in time (2.9e-3).
+
 The midpoint reduction sends twice plain FSDP1's gradient bytes with any window of :math:`k \ge 2`
 micro-batches (FSDP2 under Lightning, which reduces every micro-batch, sends :math:`k` times), holds a copy of
 the first half's shards, and touches no FSDP internals.

@@ -28,7 +28,9 @@ per unit (two at :math:`W \ge 4`, one at 2) and, at :math:`W \ge 4`, a copy of t
 super-chunk order (transient, one unit's unsharded gradient). ``collect`` all-gathers four float64 numbers per
 rank, as the FSDP2 measurement does (its reduction and failure protocol are inherited).
 ``benchmarks/fsdp_overhead.py --fsdp 1`` counts it: +32 B per step and rank at :math:`W = 2`, +96 B at 4 (the
-scalars), the gradient's bytes unchanged; the midpoint reduction's module compares the two designs.
+scalars), the gradient's bytes unchanged; the midpoint reduction's module compares the two designs, in bytes and
+in precision (``benchmarks/fsdp_accuracy.py``: products within 2.3e-7 of float64 in float32; the products are
+taken in the reduce dtype, accumulated in float32, summed in float64, as on one process).
 
 The shard equals FSDP1's own up to the order of the additions (the group sums first). A rank whose products
 fail still runs every collective (the error reaches every rank in ``collect``); a collective that fails fails
