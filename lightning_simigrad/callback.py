@@ -151,8 +151,8 @@ class SimiGrad(CallbackState):
         self._active = self._progress.active = not neighbours.tuners(trainer)
         if not self._active:
             self._tuned_from = neighbours.batch_size_before_tuning(trainer, pl_module)
-        if self.run is not None:  # a second fit continues the run, measuring on this fit's model
-            self.run.measurement = data_source.measurement_for(trainer)
+        if self.run is not None:  # a second fit continues the run, measuring on this fit's model, counting its epochs
+            self.run.follow(lambda: data_source.epoch_being_trained(trainer), data_source.measurement_for(trainer))
         self._progress.attach(trainer)
 
     def _adapt_dataloader(self, loader: Any) -> Any:

@@ -184,6 +184,11 @@ class Run:
         self.validation_interval()  # refuses an interval validation would never reach, before training
 
     # ------------------------------------------------------------------------------ one optimizer step
+    def follow(self, epoch: Callable[[], int], measurement: Measurement) -> None:
+        """A later fit continues the run: its epochs and its measurement from now on."""
+        self.epoch = self.schedule.epoch = epoch
+        self.measurement = measurement
+
     def start_epoch(self) -> int:
         """A training epoch starts: its estimated number of micro-batches (for the progress bar)."""
         resume = self.schedule.resume_from

@@ -160,3 +160,30 @@ def test_a_limited_epoch_feeds_the_samples_of_its_batches_in_whole_windows():
     assert len(set(i for s in rec.steps for i in s["indices"])) == 176
     for step in rec.steps:
         torch.testing.assert_close(flat(step["grads"]), flat(step["reference"]), rtol=1e-9, atol=1e-12)
+
+
+class EpochOrders(pl.Callback):
+    """The samples each training epoch fed, in order."""
+
+    def __init__(self) -> None:
+        self.epochs: list[list[int]] = []
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        self.epochs.append([])
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.epochs[-1] += batch[0].tolist()
+
+
+def test_a_callback_reused_on_another_trainer_counts_that_trainers_epochs():
+    pl.seed_everything(0)
+    dataset, simigrad = IndexedRegression(64), SimiGrad(target_similarity=0.5, max_micro_batch_size=8)
+    model = Regressor()
+    trainer(callbacks=[simigrad], max_epochs=1).fit(model, DataLoader(dataset, batch_size=8, shuffle=True))
+    orders = EpochOrders()
+    second = trainer(callbacks=[simigrad, orders], max_epochs=3)
+    second.fit(model, DataLoader(dataset, batch_size=8, shuffle=True))
+    assert len(orders.epochs) == 3 and all(sorted(e) == list(range(64)) for e in orders.epochs)  # each sample once
+    # the second Trainer's epochs are shuffled as its own epochs 0, 1, 2: three different orders
+    assert len({tuple(e) for e in orders.epochs}) == 3
+    assert simigrad.run is not None and simigrad.run.epoch() == second.fit_loop.epoch_progress.current.processed
