@@ -147,3 +147,37 @@ def test_a_users_comm_hook_is_refused_not_replaced(tmp_path):
     t = trainer(devices=2, strategy="ddp_spawn", callbacks=[UserCommHook(), SimiGrad(target_similarity=0.8)])
     with pytest.raises(Exception, match="comm(unication)? hook"):
         t.fit(Regressor(), DataLoader(IndexedRegression(64), batch_size=8))
+
+
+class AbandonsTheFirstEpoch(Regressor):
+    """Ends epoch 0 on every rank at micro-batch ``at`` (Lightning's documented -1 from `on_train_batch_start`)."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.at = at
+
+    def on_train_batch_start(self, batch, batch_idx):
+        return -1 if self.current_epoch == 0 and batch_idx == self.at else None
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("at", [7, 5])  # the last micro-batch of the second window (armed, then dropped); its third
+def test_a_ddp_window_abandoned_at_the_epochs_end_is_dropped_on_every_rank(tmp_path, at):
+    dataset = IndexedRegression(128)
+    # windows of 32 samples: 4 micro-batches of 4 per rank on 2 ranks
+    cb = SimiGrad(target_similarity=0.9, initial_batch_size=32, adjust=False, lr_scaling="none")
+    t = trainer(
+        devices=2, strategy="ddp_spawn", max_epochs=2, callbacks=[cb, DistributedStepChecker(tmp_path, dataset)]
+    )
+    t.fit(AbandonsTheFirstEpoch(at), DataLoader(dataset, batch_size=4, shuffle=True))
+    ranks = read_ranks(tmp_path, 2)
+    history, steps = ranks[0]["history"], ranks[0]["steps"]
+    assert all(r["history"] == history for r in ranks)
+    # epoch 0 stepped once (its second window was abandoned), epoch 1 four times: as plain Lightning
+    assert len(steps) == len(history) == 5
+    for step in steps:  # every step, the first of epoch 1 too, is the mean over exactly its own 32 samples
+        assert len(step["samples"]) == len(set(step["samples"])) == 32
+        assert step["ranks_identical"] and step["grad_rel_error"] < 1e-6
+    assert sorted(i for s in steps[1:] for i in s["samples"]) == list(range(128))  # epoch 1: every sample once
+    assert all(math.isfinite(h["similarity"]) for h in history)  # the aborted measurement left nothing behind
+    assert history[1]["similarity"] == pytest.approx(steps[1]["similarity"], abs=1e-6)
