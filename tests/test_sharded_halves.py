@@ -192,3 +192,20 @@ def test_a_parameter_fully_shard_did_not_reach_is_refused():
     message = run_ok(_unsharded, 2, deadline_s=50)[0]
     assert "parameter 2 (shape (3, 7)) is a plain `Parameter`" in message
     assert "Apply `fully_shard` to the root module" in message
+
+
+def test_a_parameter_offloaded_to_the_cpu_is_refused():
+    # what `fully_shard(offload_policy=CPUOffloadPolicy())` leaves on a GPU mesh (it needs CUDA, so it is described
+    # here by the attributes the check reads: a DTensor on the CPU whose mesh is on `cuda`)
+    from types import SimpleNamespace
+
+    from torch.distributed.tensor import Shard
+
+    mesh = SimpleNamespace(device_type="cuda", size=lambda: 2, shape=(2,), mesh_dim_names=("data_parallel",))
+    offloaded = SimpleNamespace(
+        requires_grad=True, placements=(Shard(0),), device_mesh=mesh, device=torch.device("cpu"), shape=(4, 3)
+    )
+    with pytest.raises(RuntimeError, match="does not support CPU offload.*Remove `offload_policy`"):
+        check_sharding([offloaded], data_parallel_size=2)
+    on_the_device = SimpleNamespace(**{**vars(offloaded), "device": torch.device("cuda", 0)})
+    check_sharding([on_the_device], data_parallel_size=2)  # the same parameter on its mesh's device is served

@@ -287,7 +287,8 @@ def check_sharding(params: Sequence[Tensor], data_parallel_size: int, group: dis
         RuntimeError: a trainable parameter that is no DTensor (``fully_shard`` was not applied to the module
             that holds it, so nothing reduces its gradient), one on a mesh of only some of the ranks (its
             gradient is not reduced over the others: ``fully_shard`` on the data-parallel mesh is missing), or
-            one with a placement other than ``Shard`` and ``Replicate``.
+            one with a placement other than ``Shard`` and ``Replicate``, or one offloaded to the CPU
+            (``CPUOffloadPolicy``: untested).
     """
     world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else data_parallel_size
     for index, p in enumerate(params):
@@ -300,6 +301,12 @@ def check_sharding(params: Sequence[Tensor], data_parallel_size: int, group: dis
                 f"SimiGrad under FSDP needs every trainable parameter sharded by `fully_shard`; parameter {index}"
                 f" (shape {tuple(p.shape)}) is a plain `{type(p).__name__}`, whose gradient no rank reduces."
                 " Apply `fully_shard` to the root module too in `configure_model`."
+            )
+        if p.device.type == "cpu" and getattr(mesh, "device_type", "cpu") != "cpu":
+            raise RuntimeError(
+                f"SimiGrad under FSDP does not support CPU offload (untested: the measurement would read every"
+                f" gradient shard on the CPU); parameter {index} (shape {tuple(p.shape)}) lives on the CPU while its"
+                f" mesh is on `{mesh.device_type}`. Remove `offload_policy` from `fully_shard`."
             )
         if mesh.size() != world:
             raise RuntimeError(
