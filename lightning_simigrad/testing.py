@@ -58,6 +58,8 @@ class AuditedStep:
     replicas_fed_alike: bool = True
     # g_A.g_B, |g_A|^2, |g_B|^2 of the halves' reference gradients (None without two halves)
     halves_products: tuple[float, float, float] | None = None
+    # this process's micro-batches of the step (those that ran a backward), by their samples
+    micro_batches: list[int] = field(default_factory=list)
     samples: list[int] = field(init=False)  # every sample of the step, in rank order
 
     def __post_init__(self) -> None:
@@ -88,6 +90,7 @@ class StepAudit(pl.Callback):
         self.indices, self.mean_loss = indices, mean_loss
         self.steps: list[AuditedStep] = []
         self._pending: list[int] = []  # the micro-batch started, until its backward has run
+        self._micro: list[int] = []  # this process's micro-batches of the window so far, by their samples
         self._fed: tuple[list[int], list[int]] = ([], [])  # this rank's samples of the window, by half in time
         self._unsharded: pl.LightningModule | None = None  # under FSDP2: the module as it was before it was sharded
 
@@ -107,10 +110,11 @@ class StepAudit(pl.Callback):
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._fed[self._second].extend(self._pending)  # a skipped micro-batch has no backward: not a sample
+        self._micro.append(len(self._pending))
         self._pending = []
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._fed = ([], [])  # a window abandoned at the epoch's end is dropped, as Lightning drops its gradient
+        self._fed, self._micro = ([], []), []  # a window abandoned at the epoch's end is dropped, as Lightning drops it
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         world = _data_parallel_size(trainer)
@@ -136,7 +140,7 @@ class StepAudit(pl.Callback):
             else:  # group A: the first floor(W / 2) ranks
                 group_a = [i for r in per_rank[: world // 2] for i in r]
                 halves = (group_a, [i for r in per_rank[world // 2 :] for i in r])
-        self._fed = ([], [])
+        self._fed, micro, self._micro = ([], []), self._micro, []
         reference = self._gradient(source, [i for r in per_rank for i in r])
         similarity, products = math.nan, None
         if halves[0] and halves[1]:
@@ -150,6 +154,7 @@ class StepAudit(pl.Callback):
                 grad_rel_error=float((grads - reference).norm() / reference.norm()),
                 ranks_identical=all(torch.equal(g, gathered[0]) for g in gathered),
                 similarity=similarity,
+                micro_batches=micro,
                 replicas_fed_alike=alike,
                 halves_products=products,
             )

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import atexit
-import copy
 import multiprocessing
 import os
 
@@ -11,6 +10,8 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
+
+from lightning_simigrad.testing import StepAudit
 
 
 class IndexedRegression(Dataset):
@@ -97,39 +98,25 @@ def trainer(**kwargs) -> pl.Trainer:
     return pl.Trainer(**(defaults | kwargs))
 
 
-class StepRecorder(pl.Callback):
-    """After SimiGrad (later in the callback list): each step's samples, reference gradient and halves."""
+def step_audit(dataset) -> StepAudit:
+    """The reference harness for a :class:`Regressor` fit on ``dataset`` (place it after SimiGrad): every step's
+    samples, micro-batches, gradient error against the mean over exactly its samples, and reference halves."""
+    return StepAudit(indices=batch_indices, mean_loss=RegressionLoss(dataset))
 
-    def __init__(self, dataset):
+
+def batch_indices(batch) -> list[int]:
+    """The dataset indices of an :class:`IndexedRegression` batch."""
+    return batch[0].tolist()
+
+
+class RegressionLoss:
+    """The mean loss of a :class:`Regressor` over given samples of a dataset."""
+
+    def __init__(self, dataset) -> None:
         self.dataset = dataset
-        self.steps: list[dict] = []
-        self.decisions: list[int] = []  # the batch size SimiGrad asks for after each step
-        self._consumed = 0
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        from lightning_simigrad import SimiGrad
-
-        simigrad = next(c for c in trainer.callbacks if isinstance(c, SimiGrad))
-        if len(self.decisions) < len(simigrad.history):
-            self.decisions.append(simigrad.batch_size)
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        micro = pl_module.micro_batches[self._consumed :]
-        self._consumed = len(pl_module.micro_batches)
-        indices = [i for m in micro for i in m]
-        grads = [p.grad.detach().clone() for p in pl_module.parameters()]
-        reference = self._gradient(pl_module, indices)
-        half = len(micro) // 2
-        g_a = self._gradient(pl_module, [i for m in micro[:half] for i in m]) if half else None
-        g_b = self._gradient(pl_module, [i for m in micro[half:] for i in m]) if half else None
-        self.steps.append(dict(micro=micro, indices=indices, grads=grads, reference=reference, g_a=g_a, g_b=g_b))
-
-    def _gradient(self, pl_module, indices):
-        model = copy.deepcopy(pl_module)
-        model.zero_grad()
-        x, y = self.dataset.x[indices], self.dataset.y[indices]
-        model.loss(x, y).backward()  # the mean loss over exactly these samples
-        return [p.grad for p in model.parameters()]
+    def __call__(self, model, indices):
+        return model.loss(self.dataset.x[indices], self.dataset.y[indices])
 
 
 def flat(tensors):

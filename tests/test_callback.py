@@ -7,7 +7,7 @@ import math
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import IndexedRegression, Regressor, StepRecorder, flat, trainer
+from helpers import IndexedRegression, Regressor, step_audit, trainer
 from torch.utils.data import DataLoader
 
 from lightning_simigrad import SimiGrad
@@ -16,12 +16,24 @@ from lightning_simigrad import SimiGrad
 def fit(simigrad, n=300, batch_size=16, num_workers=0, drop_last=False, shuffle=True, model=None, **trainer_kwargs):
     pl.seed_everything(0)  # the model's initialisation steers the decisions, hence the epoch tails
     dataset = IndexedRegression(n)
-    recorder = StepRecorder(dataset)
+    recorder, decisions = step_audit(dataset), Decisions()
     model = model or Regressor()
     loader = DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, num_workers=num_workers, drop_last=drop_last)
-    t = trainer(callbacks=[simigrad, recorder], **trainer_kwargs)
+    t = trainer(callbacks=[simigrad, recorder, decisions], **trainer_kwargs)
     t.fit(model, loader)
     return t, model, recorder
+
+
+class Decisions(pl.Callback):
+    """The batch size SimiGrad asks for after each step."""
+
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        simigrad = next(c for c in trainer.callbacks if isinstance(c, SimiGrad))
+        if len(self.sizes) < len(simigrad.history):
+            self.sizes.append(simigrad.batch_size)
 
 
 @pytest.mark.parametrize(
@@ -32,18 +44,18 @@ def test_every_step_averages_exactly_its_samples(num_workers, drop_last, max_mic
     cb = SimiGrad(target_similarity=0.9, max_micro_batch_size=max_micro, max_batch_size=120)
     t, model, rec = fit(cb, num_workers=num_workers, drop_last=drop_last, max_epochs=2)
     assert len(rec.steps) == len(cb.history) == t.global_step
-    sizes = [len(s["indices"]) for s in rec.steps]
+    sizes = [len(s.samples) for s in rec.steps]
     assert [int(h["batch_size"]) for h in cb.history] == sizes
     assert len(set(sizes)) > 2  # the batch did move
     cap = max_micro or 16
     for step, row in zip(rec.steps, cb.history):
-        assert max(len(m) for m in step["micro"]) <= cap
-        assert row["accumulation"] == len(step["micro"])
-        assert len(step["micro"]) >= 2 or len(step["indices"]) == 1  # only a 1-sample tail cannot be halved
+        assert max(step.micro_batches) <= cap
+        assert row["accumulation"] == len(step.micro_batches)
+        assert len(step.micro_batches) >= 2 or len(step.samples) == 1  # only a 1-sample tail cannot be halved
         # the gradient the optimizer steps with is the mean-loss gradient over exactly these samples
-        torch.testing.assert_close(flat(step["grads"]), flat(step["reference"]), rtol=1e-9, atol=1e-12)
+        assert step.grad_rel_error < 1e-12
     # every epoch feeds each sample once; with drop_last only a tail smaller than its window is left out
-    seen = [i for s in rec.steps for i in s["indices"]]
+    seen = [i for s in rec.steps for i in s.samples]
     counts = torch.bincount(torch.tensor(seen), minlength=300)
     if not drop_last:
         assert counts.tolist() == [2] * 300
@@ -54,7 +66,7 @@ def test_every_step_averages_exactly_its_samples(num_workers, drop_last, max_mic
     # fine-grained: every full window is exactly a size the controller chose (no rounding to micro x steps)
     # (an epoch's last step, ending on a multiple of 300 samples, averages what is left, or shares it with the step
     # before)
-    chosen = {16, *rec.decisions}
+    chosen = {16, *next(c for c in t.callbacks if isinstance(c, Decisions)).sizes}
     ends = [i for i, h in enumerate(cb.history) if h["samples_seen"] % 300 == 0]
     tails = {*ends, *(i - 1 for i in ends)}
     full = [h for i, h in enumerate(cb.history) if drop_last or i not in tails]
@@ -64,7 +76,7 @@ def test_every_step_averages_exactly_its_samples(num_workers, drop_last, max_mic
 def test_epoch_coverage_with_shuffle_and_workers():
     cb = SimiGrad(target_similarity=0.5)
     t, model, rec = fit(cb, n=257, batch_size=10, num_workers=2, max_epochs=3)
-    seen = [i for s in rec.steps for i in s["indices"]]
+    seen = [i for s in rec.steps for i in s.samples]
     assert len(seen) == 3 * 257
     epochs, start = [], 0
     for _ in range(3):
@@ -79,12 +91,10 @@ def test_similarity_is_the_cosine_of_the_window_halves():
     cb = SimiGrad(target_similarity=0.8, max_micro_batch_size=6)
     t, model, rec = fit(cb, max_epochs=1)
     for step, row in zip(rec.steps, cb.history):
-        if step["g_a"] is None:  # a one-sample epoch tail has no halves
-            assert len(step["indices"]) == 1 and math.isnan(row["similarity"])
+        if not step.halves[0]:  # a one-sample epoch tail has no halves
+            assert len(step.samples) == 1 and math.isnan(row["similarity"]) and math.isnan(step.similarity)
             continue
-        g_a, g_b = flat(step["g_a"]), flat(step["g_b"])
-        cosine = float(g_a @ g_b / (g_a.norm() * g_b.norm()))
-        assert row["similarity"] == pytest.approx(cosine, abs=1e-9)
+        assert row["similarity"] == pytest.approx(step.similarity, abs=1e-9)  # the cosine of the halves' gradients
 
 
 def test_adjust_false_measures_and_never_changes_the_batch():
@@ -155,11 +165,10 @@ def test_a_limited_epoch_feeds_the_samples_of_its_batches_in_whole_windows():
     cb = SimiGrad(target_similarity=0.8, initial_batch_size=64, max_micro_batch_size=8)
     t, model, rec = fit(cb, limit_train_batches=11)
     # 11 batches of 16 samples: 176 samples, as windows of 64, 64 and the last 48
-    assert [len(s["indices"]) for s in rec.steps] == [64, 64, 48]
-    assert [len(s["micro"]) for s in rec.steps] == [8, 8, 6]
-    assert len(set(i for s in rec.steps for i in s["indices"])) == 176
-    for step in rec.steps:
-        torch.testing.assert_close(flat(step["grads"]), flat(step["reference"]), rtol=1e-9, atol=1e-12)
+    assert [len(s.samples) for s in rec.steps] == [64, 64, 48]
+    assert [len(s.micro_batches) for s in rec.steps] == [8, 8, 6]
+    assert len(set(i for s in rec.steps for i in s.samples)) == 176
+    assert all(step.grad_rel_error < 1e-12 for step in rec.steps)
 
 
 class EpochOrders(pl.Callback):

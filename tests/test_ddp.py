@@ -14,27 +14,21 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
-import torch
-from helpers import NOISE_SCALE, IndexedRegression, LinearLoss, Regressor, known_noise_dataset, trainer
+from helpers import (
+    NOISE_SCALE,
+    IndexedRegression,
+    LinearLoss,
+    RegressionLoss,
+    Regressor,
+    batch_indices,
+    known_noise_dataset,
+    trainer,
+)
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from lightning_simigrad import SimiGrad, equilibrium_batch_size
 from lightning_simigrad.testing import StepAudit
-
-
-def batch_indices(batch) -> list[int]:
-    return batch[0].tolist()
-
-
-class RegressionLoss:
-    """The mean loss of a Regressor over given samples of a dataset (picklable, for ddp_spawn's children)."""
-
-    def __init__(self, dataset: IndexedRegression) -> None:
-        self.dataset = dataset
-
-    def __call__(self, model, indices) -> torch.Tensor:
-        return model.loss(self.dataset.x[indices], self.dataset.y[indices])
 
 
 class DistributedStepChecker(StepAudit):

@@ -27,27 +27,22 @@ from fsdp_modules import (
     fsdp1,
     strategy,
 )
-from helpers import NOISE_SCALE, SAMPLES, IndexedRegression, Regressor, known_noise_dataset, trainer
+from helpers import (
+    NOISE_SCALE,
+    SAMPLES,
+    IndexedRegression,
+    RegressionLoss,
+    Regressor,
+    batch_indices,
+    known_noise_dataset,
+    trainer,
+)
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from lightning_simigrad import SimiGrad, equilibrium_batch_size
 
 N = 150  # samples in the exactness runs' epoch
-
-
-def batch_indices(batch) -> list[int]:
-    return batch[0].tolist()
-
-
-class RegressionLoss:
-    """The mean loss of a Regressor over given samples of a dataset."""
-
-    def __init__(self, dataset: IndexedRegression) -> None:
-        self.dataset = dataset
-
-    def __call__(self, model, indices):
-        return model.loss(self.dataset.x[indices], self.dataset.y[indices])
 
 
 def same(a, b) -> bool:

@@ -17,8 +17,8 @@ import pytest
 import torch
 from distributed import run_ok
 from fsdp_modules import Recorder, as_external_process, fsdp1
-from helpers import IndexedRegression, Regressor, trainer
-from test_fsdp import N, RegressionLoss, batch_indices, check_exact_steps
+from helpers import IndexedRegression, RegressionLoss, Regressor, batch_indices, trainer
+from test_fsdp import N, check_exact_steps
 from torch.distributed.fsdp import CPUOffload, FullyShardedDataParallel
 from torch.utils.data import DataLoader
 

@@ -20,8 +20,8 @@ import pytest
 import torch
 from distributed import run_ok
 from fsdp_modules import Recorder, as_external_process, shard, strategy
-from helpers import IndexedRegression, Regressor, trainer
-from test_fsdp import RegressionLoss, batch_indices, same
+from helpers import IndexedRegression, RegressionLoss, Regressor, batch_indices, trainer
+from test_fsdp import same
 from test_sharded_halves import SIZES, _data, _loss
 from torch import nn
 from torch.utils.data import DataLoader

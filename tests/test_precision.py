@@ -7,7 +7,7 @@ import math
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import IndexedRegression, Regressor, StepRecorder, flat, trainer
+from helpers import IndexedRegression, Regressor, step_audit, trainer
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch.utils.data import DataLoader
 
@@ -43,7 +43,7 @@ def test_mixed_precision_measures_in_unscaled_units(precision):
     kwargs = dict(plugins=[fp16_with_loss_scaling()]) if precision == "16-mixed" else dict(precision=precision)
     pl.seed_everything(0)
     dataset = IndexedRegression(256, dtype=torch.float32)
-    cb, recorder = SimiGrad(target_similarity=0.8, adjust=False), StepRecorder(dataset)
+    cb, recorder = SimiGrad(target_similarity=0.8, adjust=False), step_audit(dataset)
     t = trainer(callbacks=[cb, recorder], max_epochs=2, **kwargs)
     t.fit(Regressor(dtype=torch.float32), DataLoader(dataset, batch_size=16))
     # the same statistics from full-precision gradients of the same halves, fed to a fresh controller
@@ -51,8 +51,8 @@ def test_mixed_precision_measures_in_unscaled_units(precision):
     for step, row in zip(recorder.steps, cb.history):
         if not math.isfinite(row["similarity"]):
             continue  # an overflowed step the scaler skipped
-        a, b = flat(step["g_a"]), flat(step["g_b"])
-        stats = HalfStats(float(a @ b), float(a @ a), float(b @ b), 8, 8)
+        dot, sq_a, sq_b = step.halves_products
+        stats = HalfStats(dot, sq_a, sq_b, len(step.halves[0]), len(step.halves[1]))
         assert row["similarity"] == pytest.approx(stats.similarity, abs=0.02)
         reference.update(stats, adjust=False, population=len(dataset))  # the epoch's N, as the run passes it
     assert reference.measured_steps >= t.global_step - 2
