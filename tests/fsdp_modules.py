@@ -13,10 +13,11 @@ import os
 
 import lightning.pytorch as pl
 import torch
-from helpers import DIM, Regressor
+from helpers import DIM, IndexedRegression, Regressor
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from torch.distributed.fsdp import fully_shard
+from torch.utils.data import DataLoader
 
 from lightning_simigrad import SimiGrad
 from lightning_simigrad.testing import CPUFSDPStrategy, StepAudit
@@ -92,6 +93,15 @@ class LinearLayerLoss(pl.LightningModule):
     def configure_optimizers(self):
         # momentum: Lightning's sharded checkpoints want optimizer state; lr 0 (the gradients do not depend on w)
         return torch.optim.SGD(self.parameters(), lr=0.0, momentum=0.9)
+
+
+def refusal(trainer: pl.Trainer, module: Regressor) -> tuple[str, int]:
+    """The RuntimeError a short fit raised ("" for none) and the micro-batches it trained before."""
+    try:
+        trainer.fit(module, DataLoader(IndexedRegression(32), batch_size=4))
+    except RuntimeError as error:
+        return str(error), len(module.micro_batches)
+    return "", len(module.micro_batches)
 
 
 def fsdp1(world_size: int, **kwargs) -> CPUFSDPStrategy:
