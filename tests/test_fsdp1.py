@@ -191,3 +191,23 @@ def test_a_fault_in_one_ranks_products_stops_every_rank_at_the_same_step():
     assert "FloatingPointError" in ranks[1]["cause"] and ranks[0]["cause"] == "None"
     # the second step's hook failed (two units a step): no rank stepped on it
     assert [r["steps"] for r in ranks] == [1, 1] and [r["at"] for r in ranks] == [1, 1]
+
+
+def _history(rank: int, world: int, use_orig_params: bool) -> list[tuple[float, float]]:
+    as_external_process(rank, world)
+    pl.seed_everything(0)
+    cb = SimiGrad(target_similarity=0.9, max_micro_batch_size=5)
+    t = trainer(devices=world, strategy=fsdp1(world, use_orig_params=use_orig_params), max_epochs=1, callbacks=[cb])
+    t.fit(Regressor(), DataLoader(IndexedRegression(N), batch_size=5, shuffle=True))
+    return [(h["batch_size"], h["similarity"]) for h in cb.history]
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("world", [2, 3])  # two stages (which never reads the parameters), the midpoint (which does)
+def test_flat_parameters_are_measured_as_the_original_ones(world):
+    # `use_orig_params=False`: the optimizer and the measurement see FSDP1's FlatParameters, whose gradients the
+    # audit cannot gather; the run must take the same decisions on the same measurements as with the originals
+    original = run_ok(_history, world, True, deadline_s=90)[0]
+    flat = run_ok(_history, world, False, deadline_s=90)[0]
+    assert [b for b, _ in flat] == [b for b, _ in original] and len({b for b, _ in flat}) > 2
+    assert [s for _, s in flat] == pytest.approx([s for _, s in original], abs=1e-6, nan_ok=True)
