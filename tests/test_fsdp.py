@@ -56,13 +56,18 @@ def simigrad_of(trainer: pl.Trainer) -> SimiGrad:
 
 
 # ---------------------------------------------------------------------------------------------- exactness
-def _audited_fit(rank: int, world: int) -> dict:
+def audited_fit(rank: int, world: int, fsdp_version: int = 2, sharding: str = "FULL_SHARD") -> dict:
+    """Two epochs, every step audited; FSDP2 (``fully_shard`` in ``configure_model``) or FSDP1 (``sharding``)."""
     as_external_process(rank, world)
     dataset = IndexedRegression(N)
     audit = Recorder(indices=batch_indices, mean_loss=RegressionLoss(dataset))
     cb = SimiGrad(target_similarity=0.9, max_micro_batch_size=5)
-    t = trainer(devices=world, strategy=strategy(world), max_epochs=2, callbacks=[cb, audit])
-    t.fit(FSDPRegressor(), DataLoader(dataset, batch_size=5, shuffle=True))
+    if fsdp_version == 2:
+        module, parallel = FSDPRegressor(), strategy(world)
+    else:
+        module, parallel = Regressor(), fsdp1(world, sharding_strategy=sharding)
+    t = trainer(devices=world, strategy=parallel, max_epochs=2, callbacks=[cb, audit])
+    t.fit(module, DataLoader(dataset, batch_size=5, shuffle=True))
     return dict(
         history=cb.history,
         steps=[dataclasses.asdict(step) for step in audit.steps],
@@ -106,13 +111,13 @@ def check_exact_steps(
 
 @pytest.mark.timeout(150)
 def test_fsdp_steps_are_exact_and_measure_the_halves_in_time():
-    check_exact_steps(run_ok(_audited_fit, 2, deadline_s=120), 2)
+    check_exact_steps(run_ok(audited_fit, 2, deadline_s=120), 2)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_fsdp_steps_are_exact_on_four_ranks():
-    check_exact_steps(run_ok(_audited_fit, 4, deadline_s=360), 4)
+    check_exact_steps(run_ok(audited_fit, 4, deadline_s=360), 4)
 
 
 # ---------------------------------------------------------------------------------------------- equilibrium

@@ -16,9 +16,9 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from distributed import run_ok
-from fsdp_modules import Recorder, as_external_process, fsdp1, refusal
+from fsdp_modules import as_external_process, fsdp1, refusal
 from helpers import IndexedRegression, RegressionLoss, Regressor, batch_indices, trainer
-from test_fsdp import N, check_exact_steps
+from test_fsdp import N, audited_fit, check_exact_steps
 from torch.distributed.fsdp import CPUOffload, FullyShardedDataParallel
 from torch.utils.data import DataLoader
 
@@ -28,39 +28,23 @@ from lightning_simigrad.testing import StepAudit
 FLOAT32 = 1e-5  # the halves' products computed in float32 (FSDP1 under Lightning's `32-true`) against float64
 
 
-def _audited_fit(rank: int, world: int, sharding: str) -> dict:
-    as_external_process(rank, world)
-    dataset = IndexedRegression(N)
-    audit = Recorder(indices=batch_indices, mean_loss=RegressionLoss(dataset))
-    cb = SimiGrad(target_similarity=0.9, max_micro_batch_size=5)
-    t = trainer(devices=world, strategy=fsdp1(world, sharding_strategy=sharding), max_epochs=2, callbacks=[cb, audit])
-    t.fit(Regressor(), DataLoader(dataset, batch_size=5, shuffle=True))
-    return dict(
-        history=cb.history,
-        steps=[dataclasses.asdict(step) for step in audit.steps],
-        products=audit.recorded.products,
-        measurement=type(cb.run.measurement).__name__,
-        min_micro_batches=cb.run.measurement.min_micro_batches,
-    )
-
-
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("sharding", ["FULL_SHARD", "SHARD_GRAD_OP"])
 def test_fsdp1_steps_are_exact_and_measure_two_rank_groups_inside_the_reduce_scatter(sharding):
-    ranks = run_ok(_audited_fit, 2, sharding, deadline_s=120)
+    ranks = run_ok(audited_fit, 2, 1, sharding, deadline_s=120)
     check_exact_steps(ranks, 2, "TwoStageReduceScatterMeasurement", min_micro_batches=1, products_rel=FLOAT32)
 
 
 @pytest.mark.timeout(200)
 def test_fsdp1_on_four_ranks_reduces_in_two_stages_exactly():
     # groups {0, 1} and {2, 3} reduce-scatter within themselves, then partners (0, 2) and (1, 3) exchange halves
-    ranks = run_ok(_audited_fit, 4, "FULL_SHARD", deadline_s=170)
+    ranks = run_ok(audited_fit, 4, 1, "FULL_SHARD", deadline_s=170)
     check_exact_steps(ranks, 4, "TwoStageReduceScatterMeasurement", min_micro_batches=1, products_rel=FLOAT32)
 
 
 @pytest.mark.timeout(200)
 def test_fsdp1_on_an_odd_number_of_ranks_reduces_at_the_midpoint_too_and_measures_the_halves_in_time():
-    ranks = run_ok(_audited_fit, 3, "FULL_SHARD", deadline_s=170)
+    ranks = run_ok(audited_fit, 3, 1, "FULL_SHARD", deadline_s=170)
     check_exact_steps(ranks, 3, "MidpointReductionMeasurement", products_rel=FLOAT32)
 
 
