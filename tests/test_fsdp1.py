@@ -25,7 +25,8 @@ from torch.utils.data import DataLoader
 from lightning_simigrad import MeasurementError, SimiGrad
 from lightning_simigrad.testing import StepAudit
 
-FLOAT32 = 1e-5  # the halves' products computed in float32 (FSDP1 under Lightning's `32-true`) against float64
+# the halves' products computed in float32 (FSDP1 under Lightning's `32-true`) against float64: up to 2e-5 seen
+FLOAT32 = 1e-4
 
 
 @pytest.mark.timeout(150)
