@@ -89,8 +89,9 @@ FSDP1_SHARDINGS = ("FULL_SHARD", "SHARD_GRAD_OP")  # every rank holds a disjoint
 
 
 def refuse_unserved_fsdp1(sharding: str, cpu_offload: Any, where: str) -> None:
-    """FSDP1 as :mod:`~lightning_simigrad.measurement.midpoint_reduction` serves it: sharded over every rank,
-    the gradient on the device."""
+    """FSDP1 as its measurements serve it (:mod:`~lightning_simigrad.measurement.two_stage_reduce_scatter`,
+    :mod:`~lightning_simigrad.measurement.midpoint_reduction`): sharded over every rank, the gradient on the device.
+    """
     if sharding not in FSDP1_SHARDINGS:
         raise RuntimeError(
             f"SimiGrad under FSDP1 supports `sharding_strategy` {' or '.join(FSDP1_SHARDINGS)}; {where} uses"
