@@ -25,7 +25,6 @@ and (c)/(a). On CPU/gloo the numbers are latency- and Python-bound and say littl
 import argparse
 import datetime
 import os
-import socket
 import statistics
 import time
 from collections.abc import Callable
@@ -34,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _ports import reserve_port  # beside this file
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_simigrad.measurement.rank_groups import RankGroupMeasurement
@@ -183,13 +183,6 @@ def _worker(rank: int, world_size: int, port: int, rounds: int, results: Any) ->
     dist.destroy_process_group()
 
 
-def free_port() -> int:
-    """A free TCP port on loopback for a process group's rendezvous (also used by fsdp_overhead and gpu_check)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
@@ -202,7 +195,7 @@ def main() -> None:
         results = context.SimpleQueue()
         started = time.perf_counter()
         mp.start_processes(
-            _worker, args=(world_size, free_port(), args.rounds, results), nprocs=world_size, start_method="spawn"
+            _worker, args=(world_size, reserve_port(), args.rounds, results), nprocs=world_size, start_method="spawn"
         )
         _, n_params, times = results.get()
         ratio_b = statistics.median(b / a for a, b in zip(times["a"], times["b"], strict=True))

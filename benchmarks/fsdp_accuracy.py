@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from ddp_overhead import free_port  # beside this file
+from _ports import reserve_port  # beside this file
 from torch import nn
 
 SAMPLES = 256
@@ -176,7 +176,7 @@ def main() -> int:
     for name, version, world in DESIGNS:
         for policy in POLICIES:
             out = context.SimpleQueue()
-            args = (world, free_port(), version, policy, out)
+            args = (world, reserve_port(), version, policy, out)
             mp.start_processes(_worker, args=args, nprocs=world, start_method="spawn")
             rows = out.get()
             errors = [max(r["dot"], r["sq"]) for r in rows]

@@ -62,7 +62,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from ddp_overhead import free_port  # beside this file
+from _ports import reserve_port  # beside this file
 
 VOCAB = 512
 WIDTH = 128
@@ -369,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()
         mp.start_processes(
             _worker,
-            args=(fsdp, world, free_port(), rounds, warmup, timed, results),
+            args=(fsdp, world, reserve_port(), rounds, warmup, timed, results),
             nprocs=world,
             start_method="spawn",
         )

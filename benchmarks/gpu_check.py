@@ -60,15 +60,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # ddp_overhead, beside this file
-from ddp_overhead import PaperPattern, free_port  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # ddp_overhead and _ports, beside this file
+from _ports import reserve_port  # noqa: E402
+from ddp_overhead import PaperPattern  # noqa: E402
 
 from lightning_simigrad import Window  # noqa: E402
-from lightning_simigrad.measurement import (  # noqa: E402
-    WindowHalvesMeasurement,
-    _ddp_hook,  # noqa: E402
-    loss_scale_of,
-)
+from lightning_simigrad.measurement import _ddp_hook, loss_scale_of, window_halves  # noqa: E402
 from lightning_simigrad.measurement.rank_groups import RankGroupMeasurement  # noqa: E402
 from lightning_simigrad.testing import HostSyncs, flat_grad, reference_halves, relative_error, run_window  # noqa: E402
 
@@ -100,19 +97,19 @@ def check_one_process(device: str) -> list[Row]:
         params = list(net.parameters())
         dtype = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(precision)
         scaler = torch.amp.GradScaler(device, init_scale=1024.0) if precision == "16-mixed" else None
-        halves, sizes = WindowHalvesMeasurement(), [16, 16, 8, 24]
-        copies = []
+        halves, sizes = window_halves(), [16, 16, 8, 24]
+        window = Window(tuple((n,) for n in sizes))  # the halves: micro-batches 0-1 and 2-3, 32 samples each
+        copies, fed = [], [0, 0]
         for j, n in enumerate(sizes):
+            halves.start_micro_batch(window, j, params)
             x, y = torch.randn(n, 64, device=device), torch.randn(n, 8, device=device)
             with torch.autocast(device_type=torch.device(device).type, dtype=dtype, enabled=dtype is not None):
                 loss = nn.functional.mse_loss(net(x).float(), y) * (n / sum(sizes))
             (scaler.scale(loss) if scaler is not None else loss).backward()
             if j in (1, 3):  # the reference keeps its own copy of each half (the measurement keeps none)
                 copies.append([p.grad.detach().to(torch.float64).clone() for p in params])
-            if j == 1:
-                halves.set_aside(params)
-        window = Window(tuple((n,) for n in sizes))  # the halves: micro-batches 0-1 and 2-3, 32 samples each
-        halves.after_backward(window, len(sizes) - 1, (32, 32), params)
+            fed[j >= window.half_split()] += n
+            halves.after_backward(window, j, (fed[0], fed[1]), params)
         stats = halves.collect(loss_scale_of(scaler))  # the scale tensor is read with the products: one read
         s, r = (torch.cat([g.reshape(-1) for g in half]) for half in copies)
         f = 2.0 * (float(1.0 / scaler.get_scale()) if scaler is not None else 1.0)  # g_A = (N / n_A) s, unscaled
@@ -479,7 +476,7 @@ def check_ddp(device: str, world: int, quick: bool, deadline_s: float = 420.0, o
     context = multiprocessing.get_context(START_METHOD)
     context.set_forkserver_preload(["torch", "lightning_simigrad.measurement.rank_groups"])
     out = context.Queue()
-    port = free_port()
+    port = reserve_port()
     processes = [
         context.Process(target=_ddp_worker, args=(rank, world, port, device, quick, out, one_device), daemon=True)
         for rank in range(world)
@@ -586,7 +583,11 @@ def check_lightning_ddp(device: str, world: int, quick: bool, deadline_s: float 
             command = [sys.executable, str(script), "--accelerator", "gpu" if device == "cuda" else "cpu"]
             command += ["--devices", str(world), "--precision", precision, "--steps", "6" if quick else "20"]
             try:
-                done = subprocess.run(command + ["--out", out], capture_output=True, text=True, timeout=deadline_s)
+                # where rank 0 hosts the group's store (Lightning would take a port it bound and released)
+                env = os.environ | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(reserve_port())}
+                done = subprocess.run(
+                    command + ["--out", out], env=env, capture_output=True, text=True, timeout=deadline_s
+                )
             except subprocess.TimeoutExpired:
                 rows.append(Row(check, "FAIL", f"the fit did not finish within {deadline_s:.0f} s (a hang)"))
                 continue
@@ -754,7 +755,7 @@ def check_fsdp(device: str, world: int, quick: bool, version: int = 2, deadline_
     check += " = reference"
     context = multiprocessing.get_context(START_METHOD)
     out = context.Queue()
-    port = free_port()
+    port = reserve_port()
     processes = [
         context.Process(target=_fsdp_worker, args=(rank, world, port, device, quick, version, out), daemon=True)
         for rank in range(world)

@@ -24,13 +24,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import socket
 import sys
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _ports import reserve_port  # beside this file
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
@@ -194,9 +194,7 @@ class _nothing:
 
 def ddp(tensors: int, world: int = 2) -> tuple[float, float]:
     """Top-level ATen ops per step on rank 0: (plain DDP, DDP + measurement)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = reserve_port()
     context = mp.get_context("spawn")
     out = context.Queue()
     mp.start_processes(_ddp_worker, args=(world, port, tensors, out), nprocs=world, start_method="spawn")

@@ -21,8 +21,9 @@ import time
 import torch
 from torch import nn
 
+from lightning_simigrad import Window
+from lightning_simigrad.measurement import window_halves
 from lightning_simigrad.measurement._dots import gram
-from lightning_simigrad.measurement.window_halves import WindowHalvesMeasurement
 
 
 def main(rounds: int = 25) -> None:
@@ -34,18 +35,21 @@ def main(rounds: int = 25) -> None:
     params = list(net.parameters())
     xs = [torch.randn(32, 1024) for _ in range(4)]
     ys = [torch.randint(0, 512, (32,)) for _ in range(4)]
-    halves = WindowHalvesMeasurement()
+    halves = window_halves()
+    four = Window(((32,), (32,), (32,), (32,)))
     snapshot = [torch.empty_like(p) for p in params]
 
     def window(mode: str) -> None:
         for p in params:
             p.grad = None
         for j in range(4):
+            if mode == "set-aside":
+                halves.start_micro_batch(four, j, params)
             nn.functional.cross_entropy(net(xs[j]), ys[j]).div(4).backward()
-            if mode == "set-aside" and j == 1:
-                halves.set_aside(params)
-            elif mode == "set-aside" and j == 3:
-                halves.combine(params).tolist()  # the products, read to the host as collect() reads them
+            if mode == "set-aside":
+                halves.after_backward(four, j, (64, 64), params)
+                if j == 3:
+                    halves.collect(None)  # the products, read to the host
             elif mode == "copy" and j == 1:
                 torch._foreach_copy_(snapshot, [p.grad for p in params])
             elif mode == "copy" and j == 3:

@@ -23,10 +23,10 @@ import datetime
 import multiprocessing
 import os
 import resource
-import socket
 
 import torch
 import torch.distributed as dist
+from _ports import reserve_port  # beside this file
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_simigrad.measurement import _dots
@@ -95,9 +95,7 @@ def _worker(rank: int, world: int, port: int, measured: bool, out: multiprocessi
 def _peaks(world: int, measured: bool) -> tuple[list[int], list[int], int]:
     context = multiprocessing.get_context("forkserver")
     out = context.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = reserve_port()
     processes = [context.Process(target=_worker, args=(r, world, port, measured, out)) for r in range(world)]
     for p in processes:
         p.start()

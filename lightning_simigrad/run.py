@@ -1,12 +1,12 @@
 r"""One fit of SimiGrad, without Lightning: the life of every optimizer step, from plan to commit.
 
-A :class:`Run` is made when the training data arrives (the callback's
-:mod:`~lightning_simigrad.integration.data_source` makes it) and owns everything a step needs: the controller,
-the window schedule the sampler plans from, the measurement, and the fit's counts. One optimizer step reads,
-top to bottom:
+A :class:`Run` is made when the training data arrives (by the fit's
+:class:`~lightning_simigrad.integration.session.FitSession`) and owns the components a step needs -- the
+controller, the window schedule the data path plans from, the measurement, the fit's counts and bounds -- each of
+which keeps and checkpoints its own state. One optimizer step reads, top to bottom:
 
-1. **plan** -- the sampler has already planned the step's window from the controller's batch size
-   (:class:`~lightning_simigrad.data.schedule.WindowSchedule`): its micro-batches, their sizes on every rank;
+1. **plan** -- the data path has already planned the step's window from the controller's batch size
+   (:func:`~lightning_simigrad.data.windows.walk_epoch`): its micro-batches, their sizes on every rank;
 2. **each micro-batch** -- :meth:`Run.start_micro_batch` says which window and slot it is, the loss divisor that
    weighs each of its samples by exactly ``1/N`` and the step's learning-rate factor; the measurement is told
    (on one process it sets the first half aside at the window's midpoint); after the backward,
@@ -26,58 +26,35 @@ import logging
 import math
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from torch import Tensor
 
 from lightning_simigrad import _compat
 from lightning_simigrad.core.controller import BatchSizeController
+from lightning_simigrad.core.counts import FitCounts, FitFacts, SchedulerSteps
 from lightning_simigrad.core.lr_scaling import lr_factor
 from lightning_simigrad.core.plan import Window
-from lightning_simigrad.core.sample_counts import FitLength, epoch_limit, validation_interval
+from lightning_simigrad.core.sample_counts import Data, FitBounds, Limits
 from lightning_simigrad.core.settings import Settings
 from lightning_simigrad.core.statistics import HalfStats
-from lightning_simigrad.data.schedule import WindowSchedule
+from lightning_simigrad.data.schedule import ResumePoint, WindowSchedule
 from lightning_simigrad.measurement.protocol import LossScale, Measurement
-from lightning_simigrad.state.checkpoint import FORMAT_VERSION
-from lightning_simigrad.state.resume import Restart, Resumption, Stage, resume
+from lightning_simigrad.state.resume import (
+    Restart,
+    Resumption,
+    Stage,
+    generators_of,
+    outside_bounds,
+    position_of,
+    without_state,
+)
 from lightning_simigrad.state.rng import rng_state
 
-__all__ = ["Data", "Limits", "MicroBatch", "Run", "Step"]
+__all__ = ["MicroBatch", "Run", "Step"]
 
 _log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Data:
-    """The training data as a run sees it.
-
-    Args:
-        epoch_length: samples in an epoch's order.
-        batch_size: the DataLoader's ``batch_size`` (per rank).
-        drop_last: the DataLoader drops a tail smaller than the batch.
-        regenerable_order: the sampler's order can be drawn again (a resume can pick it up mid-epoch).
-        sampler: the sampler's name, for messages.
-    """
-
-    epoch_length: int
-    batch_size: int
-    drop_last: bool
-    regenerable_order: bool = True
-    sampler: str = "SequentialSampler"
-
-
-@dataclass(frozen=True)
-class Limits:
-    """The Trainer's settings that bound a fit, as the user gave them (Lightning's names and meanings)."""
-
-    limit_train_batches: int | float = 1.0
-    max_steps: int = -1
-    max_epochs: int = -1
-    val_check_interval: int | float = 1.0
-    check_val_every_n_epoch: int | None = 1
-    validates: bool = True
 
 
 @dataclass(frozen=True)
@@ -106,6 +83,7 @@ class Step:
 
     index: int  # the step's number in the fit, from 0
     samples: int  # samples it averaged (fewer than the window's when micro-batches were skipped)
+    weight: int  # their weight (what batch sizes count: the samples, unless counted in another unit)
     stats: HalfStats | None  # the two halves' statistics (None: nothing measured)
     window: Window
     micro_batches: int
@@ -119,7 +97,7 @@ class Step:
 
 
 class Run:
-    """The state and the step protocol of one fit (see the module docstring).
+    """The components and the step protocol of one fit (see the module docstring).
 
     Args:
         settings: the callback's settings.
@@ -149,10 +127,11 @@ class Run:
         warn: Callable[[str], None] = warnings.warn,
         info: Callable[[str], None] = _log.info,
     ) -> None:
-        self.settings, self.data, self.limits = settings, data, limits
-        self.world_size, self.rank, self.b0 = world_size, rank, initial_batch_size
-        self.epoch = epoch
-        self.measurement = measurement
+        self.settings, self.rank, self.epoch, self.measurement = settings, rank, epoch, measurement
+        self.facts = FitFacts(initial_batch_size, world_size, data.epoch_length)
+        self.bounds = FitBounds(
+            data, limits, world_size, initial_batch_size, settings.max_samples, settings.schedule_by_samples
+        )
         min_micro_batches = measurement.min_micro_batches  # two halves: in time, or two groups of ranks
         args = settings.controller_args(initial_batch_size, min_batch_size=world_size * min_micro_batches)
         if args["max_batch_size"] is not None and args["max_batch_size"] < args["min_batch_size"]:
@@ -170,46 +149,58 @@ class Run:
             epoch=epoch,
             samples_left=self.samples_left,
         )
-        self.samples_seen = 0
-        self.steps = 0
-        self.epoch_samples_done = 0  # the sampler's position: samples of the committed windows, skipped ones too
+        self.counts = FitCounts()
+        self.scheduler_steps = SchedulerSteps()  # advanced by the integration, which steps the schedulers
+        # the window being trained
         self.window: Window | None = None
         self.micro = 0
         self.fed = [0, 0]  # samples whose backward ran in this window: first half, second half (all ranks)
+        self.fed_weight = 0  # their weight
         self.lr_factor = 1.0
         self.window_rng: dict[str, Any] | None = None  # the generator states as the current window started
-        self.resumption = Resumption()
-        if restart is not None:
-            self.resumption = resume(self, restart, warn, info)
-        self.validation_interval()  # refuses an interval validation would never reach, before training
+        self.resumption = self.restore(restart, warn, info) if restart is not None else Resumption()
+        self.bounds.validation_interval()  # refuses an interval validation would never reach, before training
 
-    # ------------------------------------------------------------------------------ one optimizer step
+    # ------------------------------------------------------------------------------ the data and the fit
+    @property
+    def data(self) -> Data:
+        return self.bounds.data
+
+    @property
+    def world_size(self) -> int:
+        return self.facts.world_size
+
+    @property
+    def b0(self) -> int:
+        return self.facts.initial_batch_size
+
     def follow(self, epoch: Callable[[], int], measurement: Measurement) -> None:
         """A later fit continues the run: its epochs and its measurement from now on."""
         self.epoch = self.schedule.epoch = epoch
         self.measurement = measurement
 
-    def start_epoch(self) -> int:
-        """A training epoch starts: its estimated number of micro-batches (for the progress bar)."""
+    def reload(self, data: Data, limits: Limits) -> None:
+        """The training data as Lightning loaded it this time (a reloaded DataLoader, a later fit's Trainer)."""
+        self.bounds = replace(self.bounds, data=data, limits=limits)
+
+    # ------------------------------------------------------------------------------ one optimizer step
+    def start_epoch(self) -> None:
+        """A training epoch starts: at the samples a resumed epoch had committed, else at its first."""
         resume = self.schedule.resume_from
         resumed = resume is not None and resume.epoch == self.epoch()
-        self.epoch_samples_done = resume.samples_done if resume is not None and resumed else 0
-        # the epoch's micro-batches if every window were planned at the batch size asked for now
-        samples = int(min(self.epoch_samples() - self.epoch_samples_done, max(self.samples_left(), 1)))
-        window = self.schedule.plan(max(1, min(self.schedule.batch_size, samples)))
-        return math.ceil(samples * window.num_micro_batches / window.total)
+        self.counts.start_epoch(resume.samples_done if resume is not None and resumed else 0)
 
     def start_micro_batch(self, params: Sequence[Tensor]) -> MicroBatch:
-        """The next micro-batch the training loop runs: which window and slot the sampler planned it for."""
+        """The next micro-batch the training loop runs: which window and slot the data path planned it for."""
         self.resumption.at_first_batch()
         window, micro = self.schedule.current.next_micro_batch()
         self.window, self.micro = window, micro
         if micro == 0:
             self.window_rng = rng_state()  # a checkpoint written inside this window resumes from its start
-            self.fed = [0, 0]
+            self.fed, self.fed_weight = [0, 0], 0
         self.measurement.start_micro_batch(window, micro, params)
         local = window.sizes[micro][self.rank]
-        self.lr_factor = self.factor_for(window.total)
+        self.lr_factor = self.factor_for(window.weight)
         divisor = window.total / (self.world_size * local) if local else math.inf
         reduces = self.measurement.midpoint_reduction and micro == window.half_split() - 1
         return MicroBatch(window, micro, local, divisor, self.lr_factor, reduces)
@@ -220,6 +211,7 @@ class Run:
         if window is None:
             return
         self.fed[self.micro >= window.half_split()] += sum(window.sizes[self.micro])
+        self.fed_weight += window.micro_weight(self.micro)
         self.measurement.after_backward(window, self.micro, (self.fed[0], self.fed[1]), params)
 
     def finish_step(self, params: Sequence[Tensor], loss_scale: LossScale) -> Step:
@@ -232,28 +224,27 @@ class Run:
         if 0 < fed < window.total:
             # micro-batches were skipped (`training_step` returned None): a mean over what was fed
             _compat.foreach_mul_([p.grad for p in params if p.grad is not None], window.total / fed)
-            self.lr_factor = self.factor_for(fed)
+            self.lr_factor = self.factor_for(self.fed_weight)
         if stats is not None:  # decide
-            next_size = self.controller.update(stats, adjust=self.settings.adjust, population=self.population())
+            population = self.bounds.population()
+            next_size = self.controller.update(stats, adjust=self.settings.adjust, population=population)
             if self.settings.adjust:
                 self.schedule.batch_size = next_size
         self.schedule.current.commit()  # commit
-        epoch_before, total_before = self.epoch_samples_done, self.samples_seen
-        self.samples_seen += fed
+        total_before = self.counts.samples_seen
         # the epoch's position is where the sampler stands: the whole window it drew, skipped micro-batches too
-        self.epoch_samples_done += window.total
-        step = Step(
-            index=self.steps,
+        epoch_span = self.counts.commit(samples=fed, weight=self.fed_weight, epoch_samples=window.total)
+        return Step(
+            index=self.counts.steps - 1,
             samples=fed,
+            weight=self.fed_weight,
             stats=stats,
             window=window,
             micro_batches=self.micro + 1,
             lr_factor=self.lr_factor,
-            epoch_span=(epoch_before, self.epoch_samples_done),
-            total_span=(total_before, self.samples_seen),
+            epoch_span=epoch_span,
+            total_span=(total_before, self.counts.samples_seen),
         )
-        self.steps += 1
-        return step
 
     def end_epoch(self) -> None:
         """The training epoch ended; a window it abandoned is dropped, as plain Lightning drops it."""
@@ -269,7 +260,7 @@ class Run:
     # ------------------------------------------------------------------------------ readings
     @property
     def done(self) -> bool:
-        """The fit's sample budget (``max_samples``, ``max_steps`` in B0-steps) is spent."""
+        """The fit's budget (``max_samples``, ``max_steps`` in B0-steps) is spent."""
         return self.samples_left() <= 0
 
     @property
@@ -292,8 +283,9 @@ class Run:
         inside = self.schedule.current.inside_window
         return self.resumption.to_save(self.window_rng if inside else None)
 
-    def factor_for(self, samples: int) -> float:
-        return lr_factor(samples, self.b0, self.settings.lr_scaling, self.settings.lr_scaling_blend)
+    def factor_for(self, weight: int) -> float:
+        """The learning-rate factor of a step of ``weight``."""
+        return lr_factor(weight, self.b0, self.settings.lr_scaling, self.settings.lr_scaling_blend)
 
     def within_bounds(self, size: int) -> int:
         """A batch size within this fit's bounds (a checkpoint's may lie outside them)."""
@@ -301,64 +293,56 @@ class Run:
         high = self.controller.max_batch_size
         return size if high is None else min(size, high)
 
-    # ------------------------------------------------------------------------------ samples
-    def epoch_samples(self) -> int:
-        """Samples an epoch feeds: the epoch's order, or what ``limit_train_batches`` leaves of it."""
-        limit = epoch_limit(
-            self.data.epoch_length, self.data.batch_size, self.world_size, self.limits.limit_train_batches
-        )
-        return self.data.epoch_length if limit is None else limit
-
-    def population(self) -> float:
-        """The :math:`N` samples every window is drawn from without replacement: the whole epoch's order on all ranks
-        (``limit_train_batches`` takes its first part, still a uniform draw from all of it); ``math.inf`` for an order
-        SimiGrad cannot regenerate (a sampler with replacement, weighted, or the user's own), read as independent
-        draws."""
-        return float(self.data.epoch_length) if self.data.regenerable_order and self.data.epoch_length > 1 else math.inf
-
     def samples_left(self) -> float:
-        """Samples the fit may still train: ``max_samples``, and ``max_steps`` counted in B0-steps."""
-        budget = float(self.settings.max_samples) if self.settings.max_samples is not None else math.inf
-        if self.settings.schedule_by_samples and self.limits.max_steps != -1:
-            budget = min(budget, float(self.limits.max_steps * self.b0))
-        return budget - self.samples_seen
-
-    def fit_length(self) -> FitLength:
-        return FitLength(
-            initial_batch_size=self.b0,
-            epoch_samples=self.epoch_samples(),
-            drop_last=self.data.drop_last,
-            max_epochs=self.limits.max_epochs,
-            budget=self.samples_left() + self.samples_seen,
-        )
+        """What the fit may still train: its budget less the weight trained."""
+        return self.bounds.budget() - self.counts.weight_seen
 
     def counters(self) -> tuple[int, int, int]:
         """``(epoch, epoch_samples_done, samples_seen)`` after the last optimizer step."""
-        return self.epoch(), self.epoch_samples_done, self.samples_seen
-
-    def validation_interval(self) -> tuple[int, bool] | None:
-        """The validation interval in samples and whether it counts within the epoch; None: at epochs' ends."""
-        if not self.limits.validates:
-            return None
-        return validation_interval(
-            self.epoch_samples(),
-            self.data.batch_size,
-            self.world_size,
-            self.limits.val_check_interval,
-            self.limits.check_val_every_n_epoch,
-        )
+        return self.epoch(), self.counts.epoch_samples_done, self.counts.samples_seen
 
     # ------------------------------------------------------------------------------ checkpoints
-    def state_dict(self) -> dict[str, Any]:
-        """The run's part of the checkpoint (see :mod:`lightning_simigrad.state.checkpoint` for the whole)."""
+    def state_dict(self) -> dict[str, dict[str, Any]]:
+        """The run's components' pieces of the checkpoint (:mod:`lightning_simigrad.state.checkpoint`)."""
         return {
-            "format_version": FORMAT_VERSION,
-            "initial_batch_size": self.b0,
-            "samples_seen": self.samples_seen,
-            "steps": self.steps,
-            "epoch_samples_done": self.epoch_samples_done,
-            "epoch_length": self.data.epoch_length,
-            "world_size": self.world_size,
-            **self.schedule.state_dict(),
+            "run": self.facts.state_dict(),
+            "counts": self.counts.state_dict(),
+            "schedule": self.schedule.state_dict(),
             "controller": self.controller.state_dict(),
+            "progress": self.scheduler_steps.state_dict(),
         }
+
+    def restore(self, restart: Restart, warn: Callable[[str], None], info: Callable[[str], None]) -> Resumption:
+        """Pick the fit up where ``restart``'s checkpoint left it, or refuse a resume that cannot be exact: every
+        component takes its own piece back."""
+        state = restart.state
+        if state is None:
+            warn(without_state(restart))
+            # counted as the fixed-batch run that wrote the checkpoint counted: its steps were B0 samples
+            seen = restart.global_step * self.b0
+            self.counts.load_state_dict(
+                {"steps": restart.global_step, "samples_seen": seen, "weight_seen": seen, "epoch_samples_done": 0}
+            )
+            return Resumption(Stage.WITHOUT_STATE)
+        self.controller.load_state_dict(state["controller"])
+        self.counts.load_state_dict(state["counts"])
+        self.scheduler_steps.load_state_dict(state["progress"])
+        position = position_of(state, restart, self.data, self.world_size, warn)
+        self.counts.start_epoch(position.samples_done)
+        piece = state["schedule"]
+        batch_size = self.within_bounds(piece["batch_size"])
+        planned = tuple(self.within_bounds(size) for size in piece["planned"])
+        done = state["counts"]["epoch_samples_done"]
+        self.schedule.load_state_dict({**piece, "batch_size": batch_size}, ResumePoint(position.epoch, done, planned))
+        if batch_size != piece["batch_size"] or planned != tuple(piece["planned"]):
+            bounds = (self.controller.min_batch_size, self.controller.max_batch_size)
+            need = self.schedule.world_size * self.schedule.min_micro_batches
+            asked, brought = (piece["batch_size"], list(piece["planned"])), (batch_size, list(planned))
+            warn(outside_bounds(restart, asked, brought, bounds, need, self.world_size))
+        if state["run"]["world_size"] != self.world_size:
+            info(
+                f"SimiGrad: resuming a checkpoint written on {state['run']['world_size']} rank(s) on"
+                f" {self.world_size}: batch size {batch_size}, B0 {self.b0}, {self.counts.samples_seen} samples seen;"
+                f" the rest of epoch {position.epoch} is shared among the {self.world_size} rank(s)."
+            )
+        return generators_of(state, position, self.world_size, self.rank)

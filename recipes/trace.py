@@ -128,7 +128,7 @@ class SimiGradTrace(Callback):
         self.output_dir.mkdir(parents=True, exist_ok=True)
         write_csv(self.history, self.csv_path)
         run = getattr(simigrad, "run", None)
-        population = run.population() if run is not None else math.inf
+        population = run.bounds.population() if run is not None else math.inf  # the epoch's N (inf: unknown)
         plot(self.history, self.png_path, self.title, simigrad.target_similarity if simigrad else None, population)
         for logger in trainer.loggers:
             if isinstance(logger, WandbLogger):

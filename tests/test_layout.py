@@ -88,3 +88,53 @@ def test_no_class_is_over_250_lines(path):
 
 def test_the_callback_module_is_at_most_300_lines():
     assert len((PACKAGE / "callback.py").read_text().splitlines()) <= 300
+
+
+def module_imports(path: Path) -> set[str]:
+    """The package's modules ``path`` imports, at run time or for type checking (``a.b`` for ``a/b.py``); the
+    package ``__init__`` Python runs on the way to a submodule is not counted (only names taken from it are)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names: list[str] = []
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            # `from a.b import c`: the module a.b.c if there is one, else a.b's names (a.b's __init__ if a package)
+            names = [f"{node.module}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        for name in names:
+            parts = name.split(".")
+            if parts[0] != "lightning_simigrad":
+                continue
+            while parts:  # the longest prefix that is a module of the package
+                candidate = PACKAGE.parent.joinpath(*parts)
+                if candidate.with_suffix(".py").is_file() or (candidate / "__init__.py").is_file():
+                    found.add(".".join(parts[1:]) or "__init__")
+                    break
+                parts = parts[:-1]
+    return found
+
+
+def test_no_module_imports_itself_through_others():
+    graph = {}
+    for path in PACKAGE.rglob("*.py"):
+        relative = path.relative_to(PACKAGE).with_suffix("")
+        name = ".".join(relative.parts[:-1]) if relative.name == "__init__" else ".".join(relative.parts)
+        graph[name or "__init__"] = module_imports(path) - {name or "__init__"}
+    cycles = []
+
+    def visit(node: str, trail: list[str]) -> None:
+        if node in trail:
+            cycles.append(" -> ".join(trail[trail.index(node) :] + [node]))
+            return
+        if node in done:
+            return
+        for successor in sorted(graph.get(node, ())):
+            visit(successor, [*trail, node])
+        done.add(node)
+
+    done: set[str] = set()
+    for node in sorted(graph):
+        visit(node, [])
+    # the package's __init__ re-exports the public names: only it may import the callback and what lies below
+    cycles = [c for c in cycles if not c.startswith("__init__")]
+    assert not cycles, cycles

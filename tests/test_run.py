@@ -9,22 +9,27 @@ import torch
 from torch.utils.data import SequentialSampler
 
 from lightning_simigrad import HalfStats
+from lightning_simigrad.core.sample_counts import Data, Limits
 from lightning_simigrad.core.settings import Settings
 from lightning_simigrad.data.sampler import AdaptiveBatchSampler
 from lightning_simigrad.measurement import Measurement
-from lightning_simigrad.run import Data, Limits, Run
+from lightning_simigrad.run import Run
 from lightning_simigrad.state.resume import Restart, Stage
 
 
 class Scripted:
     """A measurement that hands back the statistics it is given, one per collected window, and logs its calls."""
 
+    name = "scripted"
     min_micro_batches = 2  # measured like one process: the window's halves in time
     midpoint_reduction = False
 
     def __init__(self, *stats: HalfStats | None) -> None:
         self.stats = list(stats)
         self.calls: list[tuple] = []
+
+    def attach(self, target):
+        self.calls.append(("attach",))
 
     def start_micro_batch(self, window, index, params):
         self.calls.append(("start", index))
@@ -104,7 +109,7 @@ def test_a_step_plans_measures_decides_and_commits_in_order():
     second = train_step(run, batches, params)
     assert second.index == 1 and second.samples == 8 and second.total_span == (8, 16)
     assert run.schedule.batch_size == 8  # 8.8 x 0.9 = 7.92, asked as 8: similarity 0.9 is above the target
-    assert (run.steps, run.samples_seen, run.epoch_samples_done) == (2, 16, 16)
+    assert (run.counts.steps, run.counts.samples_seen, run.counts.epoch_samples_done) == (2, 16, 16)
 
 
 def test_the_loss_divisor_weighs_every_sample_by_one_over_the_window():
@@ -148,10 +153,11 @@ def test_a_checkpoints_state_puts_the_resumed_run_where_the_first_stood():
     params = [torch.nn.Parameter(torch.zeros(1))]
     train_step(run, batches, params)
     state = run.state_dict()
-    assert state["planned"] == [8, 8, 8, 8]  # the windows planned ahead at 8, not yet trained
+    assert state["schedule"]["planned"] == [8, 8, 8, 8]  # the windows planned ahead at 8, not yet trained
     restart = Restart(path="x.ckpt", state=state, epoch=0, at_epoch_end=False, batches_into_epoch=2, global_step=1)
     resumed, resumed_batches = make_run(Scripted(stats(0.0)), restart=restart)
-    assert (resumed.steps, resumed.samples_seen, resumed.epoch_samples_done) == (1, 8, 8)
+    counts = resumed.counts
+    assert (counts.steps, counts.samples_seen, counts.epoch_samples_done) == (1, 8, 8)
     assert resumed.controller.state_dict() == run.controller.state_dict()
     assert resumed_batches == batches  # the rest of the epoch, in the same windows
     assert resumed.resumption.stage is Stage.FRESH  # the state has no generator states to restore
@@ -173,7 +179,7 @@ def test_a_checkpoint_without_simigrads_state_counts_its_steps_as_steps_of_b0():
         restart=restart,
         warn=messages.append,
     )
-    assert run.without_state and (run.steps, run.samples_seen) == (5, 40)
+    assert run.without_state and (run.counts.steps, run.counts.samples_seen) == (5, 40)
     assert "has no SimiGrad state" in messages[0]
 
 
@@ -183,7 +189,7 @@ def test_max_steps_counts_steps_of_b0_samples():
     limited = Run(
         Settings(target_similarity=0.5), Data(40, 4, False), Limits(max_steps=3), 1, 0, 0, 8, lambda: 0, Scripted()
     )
-    assert limited.samples_left() == 24 and limited.fit_length().stepping_batches == 3
+    assert limited.samples_left() == 24 and limited.bounds.fit_length().stepping_batches == 3
 
 
 def test_a_batch_bound_below_what_a_measurement_needs_is_refused():

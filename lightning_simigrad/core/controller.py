@@ -42,8 +42,9 @@ Both clamp to ``[min_batch_size, max_batch_size]``, hold still during ``warmup_s
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, ClassVar
 
+from lightning_simigrad.core.fields import EMA, NON_NEGATIVE_INT, NON_NEGATIVE_NUMBER, POSITIVE_NUMBER, Field
 from lightning_simigrad.core.statistics import HalfStats, equilibrium_batch_size
 
 __all__ = ["BatchSizeController", "RULES"]
@@ -220,6 +221,33 @@ class BatchSizeController:
         return self._trace_sigma.value / grad_sq if grad_sq > 0 else math.nan
 
     # ----------------------------------------------------------------------------------- state
+    STATE_FIELDS: ClassVar[dict[str, Field]] = {
+        "size": POSITIVE_NUMBER,
+        "measured_steps": NON_NEGATIVE_INT,
+        "similarity_ema": EMA,
+        "referenced_grad_sq_ema": EMA,
+        "referenced_trace_sigma_ema": EMA,
+        "reference": NON_NEGATIVE_NUMBER,
+    }
+    # what earlier writers saved instead of the noise scale's averages (checked, then not read): the averages in units
+    # of each step's own gradient size, and before them the raw averages
+    FORMER_NOISE_FIELDS: ClassVar[tuple[tuple[str, ...], ...]] = (
+        ("relative_grad_sq_ema", "relative_trace_sigma_ema"),
+        ("grad_sq_ema", "trace_sigma_ema"),
+    )
+
+    @classmethod
+    def state_fields(cls, state: dict[str, Any]) -> dict[str, Field]:
+        """The fields ``state`` must have: this version's, or an earlier writer's noise-scale averages instead."""
+        noise = ("referenced_grad_sq_ema", "referenced_trace_sigma_ema", "reference")
+        if any(name in state for name in noise):
+            return dict(cls.STATE_FIELDS)
+        for former in cls.FORMER_NOISE_FIELDS:
+            if any(name in state for name in former):
+                fields = {name: field for name, field in cls.STATE_FIELDS.items() if name not in noise}
+                return {**fields, **{name: EMA for name in former}}
+        return dict(cls.STATE_FIELDS)
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "size": self._size,

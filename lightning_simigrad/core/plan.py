@@ -39,9 +39,19 @@ class Window:
 
     Args:
         sizes: ``sizes[j][r]`` is the number of samples rank ``r`` feeds in micro-batch ``j``.
+        weights: ``weights[j][r]`` is that slot's *weight*, what batch sizes count: its samples (None, the default:
+            ``sizes``), or its tokens where batches are counted in tokens. Samples stay what an epoch's coverage and
+            the ranks' shares count.
+
+    >>> window = Window(((2, 2), (1, 1)))
+    >>> window.total, window.weight, window.samples_per_rank()
+    (6, 6, [3, 3])
+    >>> Window(((2,), (1,)), weights=((70,), (40,))).weight
+    110
     """
 
     sizes: tuple[tuple[int, ...], ...]
+    weights: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def num_micro_batches(self) -> int:
@@ -64,6 +74,21 @@ class Window:
     @property
     def max_micro_batch_size(self) -> int:
         return max(max(micro) for micro in self.sizes)
+
+    @cached_property
+    def weight_through(self) -> tuple[int, ...]:
+        """``weight_through[j]``: the weight of micro-batches ``0..j`` over all ranks."""
+        slots = self.sizes if self.weights is None else self.weights
+        return tuple(itertools.accumulate(sum(micro) for micro in slots))
+
+    @property
+    def weight(self) -> int:
+        """The step's weight over all ranks: what the controller's batch size, the LR factor and the counts read."""
+        return self.weight_through[-1]
+
+    def micro_weight(self, micro: int) -> int:
+        """The weight of micro-batch ``micro`` over all ranks."""
+        return self.weight_through[micro] - (self.weight_through[micro - 1] if micro else 0)
 
     def rank_total(self, rank: int) -> int:
         return sum(micro[rank] for micro in self.sizes)

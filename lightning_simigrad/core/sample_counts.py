@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["FitLength", "epoch_limit", "validation_interval"]
+__all__ = ["Data", "FitBounds", "FitLength", "Limits", "epoch_limit", "validation_interval"]
 
 
 def epoch_limit(samples: int, batch_size: int, world_size: int, limit_train_batches: int | float) -> int | None:
@@ -102,7 +102,8 @@ class FitLength:
 
     Args:
         initial_batch_size: :math:`B_0`.
-        epoch_samples: samples an epoch feeds (the dataset, or what ``limit_train_batches`` leaves of it).
+        epoch_samples: samples an epoch feeds (the dataset, or what ``limit_train_batches`` leaves of it); None
+            where the epoch's length is unknown (a stream): B0-steps are then counted over the fit, not per epoch.
         drop_last: the DataLoader drops a tail smaller than the batch.
         max_epochs: the epoch bound (``-1``: none).
         budget: most samples the fit trains (``math.inf``: none).
@@ -114,16 +115,22 @@ class FitLength:
     9
     >>> FitLength(16, 100, False, 3, budget=16 * 10).stepping_batches  # max_steps=10: ten B0-steps of samples
     10
+    >>> unknown = FitLength(16, None, False, 3, budget=16 * 10)  # a stream: only the budget bounds the count
+    >>> unknown.stepping_batches, unknown.steps_done(epoch=1, epoch_samples_done=8, samples_seen=40, at_epoch_end=False)
+    (10, 2)
     """
 
     initial_batch_size: int
-    epoch_samples: int
+    epoch_samples: int | None
     drop_last: bool
     max_epochs: int
     budget: float
 
     @property
-    def steps_per_epoch(self) -> int:
+    def steps_per_epoch(self) -> int | None:
+        """B0-steps in an epoch (None: the epoch's length is unknown)."""
+        if self.epoch_samples is None:
+            return None
         rounding = math.floor if self.drop_last else math.ceil
         return int(rounding(self.epoch_samples / self.initial_batch_size))
 
@@ -134,7 +141,8 @@ class FitLength:
     @property
     def stepping_batches(self) -> float:
         """The fit's length in B0-steps (``math.inf`` when nothing bounds it)."""
-        by_epochs = math.inf if self.max_epochs == -1 else self.steps_per_epoch * max(self.max_epochs, 1)
+        per_epoch = self.steps_per_epoch
+        by_epochs = math.inf if self.max_epochs == -1 or per_epoch is None else per_epoch * max(self.max_epochs, 1)
         total = min(by_epochs, self.budget_steps)
         return total if math.isinf(total) else int(total)
 
@@ -148,9 +156,13 @@ class FitLength:
         >>> FitLength(8, 1000, False, 1, math.inf).step_in_window(0, epoch_samples_done=16, samples_seen=16, window=40)
         4
         """
+        per_epoch = self.steps_per_epoch
+        if per_epoch is None:  # counted over the fit
+            twice = 2 * samples_seen + window - self.initial_batch_size
+            return int(min(max(twice, 0) // (2 * self.initial_batch_size), self.stepping_batches))
         twice = 2 * epoch_samples_done + window - self.initial_batch_size
-        within = min(self.steps_per_epoch, max(twice, 0) // (2 * self.initial_batch_size))
-        return int(min(epoch * self.steps_per_epoch + within, self.stepping_batches))
+        within = min(per_epoch, max(twice, 0) // (2 * self.initial_batch_size))
+        return int(min(epoch * per_epoch + within, self.stepping_batches))
 
     def scheduler_steps(self, steps_done: int, frequency: int) -> int:
         """Steps a step-interval scheduler of ``frequency`` has taken after ``steps_done`` B0-steps of the fit.
@@ -161,19 +173,131 @@ class FitLength:
         >>> FitLength(8, 100, False, 3, math.inf).scheduler_steps(26, frequency=2)  # 13 B0-steps an epoch: 6 + 6
         12
         """
-        if self.steps_per_epoch <= 0:
+        per_epoch = self.steps_per_epoch
+        if not per_epoch:  # unknown or empty epochs: counted over the fit
             return steps_done // frequency
-        epochs, within = divmod(steps_done, self.steps_per_epoch)
-        return epochs * (self.steps_per_epoch // frequency) + within // frequency
+        epochs, within = divmod(steps_done, per_epoch)
+        return epochs * (per_epoch // frequency) + within // frequency
 
     def steps_done(self, epoch: int, epoch_samples_done: int, samples_seen: int, at_epoch_end: bool) -> int:
         """B0-steps of progress after ``samples_seen`` samples, ``epoch_samples_done`` of them in ``epoch``."""
         total = self.stepping_batches
         if samples_seen >= self.budget:
             return int(total)  # the fit's last step: the budget's whole count
-        within = (
-            self.steps_per_epoch
-            if at_epoch_end
-            else min(self.steps_per_epoch, epoch_samples_done // self.initial_batch_size)
+        per_epoch = self.steps_per_epoch
+        if per_epoch is None:
+            return int(min(samples_seen // self.initial_batch_size, total))
+        within = per_epoch if at_epoch_end else min(per_epoch, epoch_samples_done // self.initial_batch_size)
+        return int(min(epoch * per_epoch + within, total))
+
+
+@dataclass(frozen=True)
+class Data:
+    """The training data as a fit sees it.
+
+    Args:
+        epoch_length: samples in an epoch's order (None: unknown, a stream).
+        batch_size: the DataLoader's ``batch_size`` (per rank).
+        drop_last: the DataLoader drops a tail smaller than the batch.
+        regenerable_order: the order can be drawn again (a resume can pick it up mid-epoch).
+        sampler: the order's name, for messages.
+    """
+
+    epoch_length: int | None
+    batch_size: int
+    drop_last: bool
+    regenerable_order: bool = True
+    sampler: str = "SequentialSampler"
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The Trainer's settings that bound a fit, as the user gave them (Lightning's names and meanings)."""
+
+    limit_train_batches: int | float = 1.0
+    max_steps: int = -1
+    max_epochs: int = -1
+    val_check_interval: int | float | None = 1.0
+    check_val_every_n_epoch: int | None = 1
+    validates: bool = True
+
+
+@dataclass(frozen=True)
+class FitBounds:
+    """Where a fit's settings bound it, read in samples (or weight): the epoch's samples, the population the halves
+    are drawn from, the fit's budget, its length in B0-steps and its validation interval.
+
+    Args:
+        data: the training data.
+        limits: the Trainer's bounds.
+        world_size: data-parallel ranks.
+        initial_batch_size: B0.
+        max_samples: the fit's own bound (``SimiGrad(max_samples=...)``).
+        schedule_by_samples: ``max_steps`` counts B0-steps of samples.
+
+    >>> bounds = FitBounds(Data(1000, 16, False), Limits(max_steps=10), 2, 64, None, True)
+    >>> bounds.epoch_samples(), bounds.budget(), bounds.population()
+    (1000, 640.0, 1000.0)
+    >>> FitBounds(Data(None, 16, False), Limits(), 2, 64, None, True).population()  # a stream: independent draws
+    inf
+    """
+
+    data: Data
+    limits: Limits
+    world_size: int
+    initial_batch_size: int
+    max_samples: int | None
+    schedule_by_samples: bool
+
+    def epoch_samples(self) -> int | None:
+        """Samples an epoch feeds: the epoch's order, or what ``limit_train_batches`` leaves of it (None: unknown)."""
+        length = self.data.epoch_length
+        if length is None:
+            return None
+        limit = epoch_limit(length, self.data.batch_size, self.world_size, self.limits.limit_train_batches)
+        return length if limit is None else limit
+
+    def population(self) -> float:
+        """The :math:`N` samples every window is drawn from without replacement: the whole epoch's order on all ranks
+        (``limit_train_batches`` takes its first part, still a uniform draw from all of it); ``math.inf`` for an order
+        that cannot be regenerated (a sampler with replacement, weighted, or the user's own) or of unknown length,
+        read as independent draws."""
+        length = self.data.epoch_length
+        return float(length) if self.data.regenerable_order and length is not None and length > 1 else math.inf
+
+    def budget(self) -> float:
+        """The weight the whole fit may train: ``max_samples``, and ``max_steps`` counted in B0-steps."""
+        budget = float(self.max_samples) if self.max_samples is not None else math.inf
+        if self.schedule_by_samples and self.limits.max_steps != -1:
+            budget = min(budget, float(self.limits.max_steps * self.initial_batch_size))
+        return budget
+
+    def fit_length(self) -> FitLength:
+        return FitLength(
+            initial_batch_size=self.initial_batch_size,
+            epoch_samples=self.epoch_samples(),
+            drop_last=self.data.drop_last,
+            max_epochs=self.limits.max_epochs,
+            budget=self.budget(),
         )
-        return int(min(epoch * self.steps_per_epoch + within, total))
+
+    def validation_interval(self) -> tuple[int, bool] | None:
+        """The validation interval in samples and whether it counts within the epoch; None: at epochs' ends."""
+        if not self.limits.validates:
+            return None
+        epoch_samples = self.epoch_samples()
+        if epoch_samples is None:
+            interval = self.limits.val_check_interval
+            if isinstance(interval, int) and not isinstance(interval, bool):
+                return (
+                    interval * self.data.batch_size * self.world_size,
+                    self.limits.check_val_every_n_epoch is not None,
+                )
+            return None  # a fraction of an epoch of unknown length: at its end
+        return validation_interval(
+            epoch_samples,
+            self.data.batch_size,
+            self.world_size,
+            self.limits.val_check_interval,
+            self.limits.check_val_every_n_epoch,
+        )

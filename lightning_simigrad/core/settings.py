@@ -1,4 +1,9 @@
-"""SimiGrad's settings, validated once, when the callback is made (before any Trainer exists).
+"""The arguments of the adaptive-batch callbacks, declared once: names, types, defaults and their checks.
+
+:class:`Settings` is what :class:`~lightning_simigrad.SimiGrad` takes: the arguments every adaptive batch shares
+(:class:`BatchSettings`: bounds, micro-batch cap, B0, learning-rate coupling, counts in samples, the fit's budget,
+display) and the controller's. The callback's signature is this dataclass's, and a fit reads a frozen copy made
+when it starts. They are validated when the callback is made, before any Trainer exists.
 
 >>> Settings(target_similarity=0.8).controller_args(initial_batch_size=64, min_batch_size=2)["min_batch_size"]
 2
@@ -10,38 +15,29 @@ ValueError: `lr_scaling` must be one of ('sqrt', 'linear', 'none'), got 'cubic'.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from lightning_simigrad.core.controller import BatchSizeController
 from lightning_simigrad.core.lr_scaling import LR_SCALINGS
 
-__all__ = ["Settings"]
+__all__ = ["BatchSettings", "Settings"]
 
 
-@dataclass(frozen=True)
-class Settings:
-    """The arguments of :class:`~lightning_simigrad.SimiGrad` (documented there)."""
+@dataclass(frozen=True, kw_only=True)
+class BatchSettings:
+    """What every adaptive batch takes, whatever decides its size (see :class:`~lightning_simigrad.SimiGrad`)."""
 
-    target_similarity: float
-    min_batch_size: int | None = None
-    max_batch_size: int | None = None
-    max_micro_batch_size: int | None = None
-    adjust: bool = True
-    lr_scaling: str = "sqrt"
-    lr_scaling_blend: float = 1.0
-    controller: str = "paper"
-    initial_batch_size: int | None = None
-    grow_factor: float = 1.1
-    shrink_factor: float = 0.9
-    smoothing: float = 0.0
-    noise_scale_decay: float = 0.9
-    deadband: float = 0.0
-    warmup_steps: int = 0
-    schedule_by_samples: bool = True
-    max_samples: int | None = None
-    progress_bar: bool = True
-    history_size: int | None = 10_000
+    min_batch_size: int | None = None  # smallest global batch (default: what a measurement needs)
+    max_batch_size: int | None = None  # largest global batch (default: unbounded)
+    max_micro_batch_size: int | None = None  # most samples per device in one forward/backward (default: the loader's)
+    initial_batch_size: int | None = None  # B0 (default: the loader's batch x world size x accumulation)
+    lr_scaling: str = "sqrt"  # "sqrt", "linear" or "none": the learning rate follows the batch
+    lr_scaling_blend: float = 1.0  # (factor - 1) f + 1
+    schedule_by_samples: bool = True  # schedulers, max_steps and the step estimate count steps of B0 samples
+    max_samples: int | None = None  # end the fit after exactly this many samples
+    progress_bar: bool = True  # the batch, similarity and noise scale in the progress bar's postfix
+    history_size: int | None = 10_000  # steps `history` keeps (None: all, 0: none)
 
     def __post_init__(self) -> None:
         if self.lr_scaling not in LR_SCALINGS:
@@ -59,13 +55,35 @@ class Settings:
                 f"`history_size` must be a non-negative int or None, got {size!r}. Use None to keep every"
                 " step, 0 to keep none."
             )
-        # the controller checks the rest of its own arguments
+
+    @classmethod
+    def of(cls, holder: Any) -> Any:
+        """A frozen copy of the settings ``holder`` (a callback built on this dataclass) carries now."""
+        return cls(**{f.name: getattr(holder, f.name) for f in fields(cls)})
+
+
+@dataclass(frozen=True, kw_only=True)
+class Settings(BatchSettings):
+    """The arguments of :class:`~lightning_simigrad.SimiGrad` (documented there)."""
+
+    target_similarity: float = field(kw_only=False)
+    adjust: bool = True  # False: measure and log, never change the batch
+    controller: str = "paper"  # "paper" (x grow / x shrink) or "noise_scale" (jump to B*)
+    grow_factor: float = 1.1
+    shrink_factor: float = 0.9
+    smoothing: float = 0.0  # EMA decay of the similarity the paper rule compares
+    noise_scale_decay: float = 0.9  # EMA decay of the noise scale's numerator and denominator
+    deadband: float = 0.0  # hold while the similarity is this close to the target
+    warmup_steps: int = 0  # measured steps before the first change
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        # the controller checks its own arguments
         BatchSizeController(**self.controller_args(self.initial_batch_size or self.min_batch_size or 1))
 
     def controller_args(self, initial_batch_size: int, min_batch_size: int | None = None) -> dict[str, Any]:
         """The :class:`BatchSizeController` arguments, with B0 and the smallest batch a measurement needs."""
-        own = asdict(self)
-        args = {name: own[name] for name in _CONTROLLER_ARGS}
+        args = {name: getattr(self, name) for name in _CONTROLLER_ARGS}
         args["rule"] = self.controller
         if min_batch_size is not None:
             args["min_batch_size"] = max(args["min_batch_size"] or 1, min_batch_size)

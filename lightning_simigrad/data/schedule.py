@@ -20,8 +20,9 @@ import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
+from lightning_simigrad.core.fields import NON_NEGATIVE_INT, POSITIVE_INT, Field, list_of
 from lightning_simigrad.core.plan import Window, plan_window
 
 __all__ = ["EpochPlan", "ResumePoint", "WindowSchedule"]
@@ -147,8 +148,15 @@ class WindowSchedule:
     # where a run resumed in the middle of an epoch picks it up
     resume_from: ResumePoint | None = None
 
+    STATE_FIELDS: ClassVar[dict[str, Field]] = {
+        "batch_size": POSITIVE_INT,
+        "seed": NON_NEGATIVE_INT,
+        "epoch": NON_NEGATIVE_INT,
+        "planned": list_of(POSITIVE_INT, "a list of positive ints"),
+    }
+
     def state_dict(self) -> dict[str, Any]:
-        """The schedule's part of the checkpoint: the batch size asked for, the shuffling seed, the epoch being
+        """The schedule's piece of the checkpoint: the batch size asked for, the shuffling seed, the epoch being
         trained and the batch sizes of the windows planned that no optimizer step has averaged yet."""
         return {
             "batch_size": self.batch_size,
@@ -156,6 +164,13 @@ class WindowSchedule:
             "epoch": self.current.epoch,
             "planned": self.current.pending,
         }
+
+    def load_state_dict(self, state: dict[str, Any], resume_from: ResumePoint | None = None) -> None:
+        """Take a checkpoint's piece back (the batch size already brought within this fit's bounds); a resumed
+        epoch starts at ``resume_from``."""
+        self.batch_size = int(state["batch_size"])
+        self.seed = int(state["seed"])
+        self.resume_from = resume_from
 
     def plan(self, available: int, take_small_remainder: bool = True, batch_size: int | None = None) -> Window:
         return plan_window(

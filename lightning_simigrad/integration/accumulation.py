@@ -8,7 +8,7 @@ fit, :class:`VariableAccumulation` replaces those two decisions on the loop *ins
 read from the current window plan. Everything that follows from them in Lightning -- DDP's and FSDP1's
 ``no_sync``, ``global_step``, LR-scheduler stepping, logging cadence -- then follows the windows. A
 measurement that needs the gradient reduced at a window's midpoint too (FSDP1's,
-:mod:`~lightning_simigrad.measurement.midpoint_reduction`) gets that one backward out of ``no_sync``: the
+:func:`~lightning_simigrad.measurement.midpoint_reduction`) gets that one backward out of ``no_sync``: the
 strategy's public ``block_backward_sync`` is wrapped on the instance for the fit. An
 epoch that runs no backward (``fit_loop._skip_backward``: ``StochasticWeightAveraging``'s BatchNorm
 epoch) accumulates throughout, so nothing steps in it.

@@ -52,7 +52,7 @@ class Reporting:
     def record(self, step: Step, run: Run, applied_lr: float, b0_steps: int) -> dict[str, float]:
         """The step's row of :data:`METRICS`, kept in the history."""
         row = {
-            "simigrad/batch_size": float(step.samples),
+            "simigrad/batch_size": float(step.weight),
             "simigrad/similarity": step.stats.similarity if step.stats is not None else math.nan,
             "simigrad/lr_scale": step.lr_factor,
             "simigrad/lr": applied_lr,
@@ -67,9 +67,9 @@ class Reporting:
                 del self.history[: len(self.history) - self.history_size]
         if math.isfinite(row["simigrad/similarity"]):
             self.last_similarity = row["simigrad/similarity"]
-        if step.samples:
+        if step.weight:
             low, high = self.batch_range
-            self.batch_range = (min(low, step.samples), max(high, step.samples))
+            self.batch_range = (min(low, step.weight), max(high, step.weight))
         self.b0_steps = b0_steps
         return row
 
@@ -85,8 +85,8 @@ class Reporting:
         """The fit so far in numbers: optimizer steps, samples, batch-size range, and the steps B0 would take."""
         low, high = self.batch_range
         return {
-            "optimizer_steps": run.steps,
-            "samples": run.samples_seen,
+            "optimizer_steps": run.counts.steps,
+            "samples": run.counts.samples_seen,
             "initial_batch_size": run.b0,
             "min_batch_size": low if high else 0,
             "max_batch_size": high,
@@ -114,5 +114,5 @@ class Reporting:
         """The progress bar's entries: this step's batch, the last similarity measured, the noise scale."""
         if run.window is None:
             return None
-        widest = max(run.controller.max_batch_size or 0, run.epoch_samples())
-        return postfix_fields(run.window.total, len(str(widest)), self.last_similarity, run.controller.noise_scale)
+        widest = max(run.controller.max_batch_size or 0, run.bounds.epoch_samples() or 0, run.window.weight)
+        return postfix_fields(run.window.weight, len(str(widest)), self.last_similarity, run.controller.noise_scale)

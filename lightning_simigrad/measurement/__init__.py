@@ -1,20 +1,33 @@
-"""Measurements of the two half-batch gradients, one per way of training (see :mod:`.protocol`)."""
+"""Measurements of the two half-batch gradients: what the halves are, composed with how their products cross ranks.
 
-from lightning_simigrad.measurement.midpoint_reduction import MidpointReductionMeasurement
-from lightning_simigrad.measurement.protocol import Measurement, MeasurementError, loss_scale_of
-from lightning_simigrad.measurement.rank_groups import MeasurementSkipped, RankGroupMeasurement
-from lightning_simigrad.measurement.sharded_halves import ShardedHalvesMeasurement
-from lightning_simigrad.measurement.two_stage_reduce_scatter import TwoStageReduceScatterMeasurement
-from lightning_simigrad.measurement.window_halves import WindowHalvesMeasurement
+:mod:`.protocol` says what a measurement does; :mod:`.factory` picks the one a strategy needs.
+"""
+
+from lightning_simigrad.measurement.composed import ComposedMeasurement, MeasurementSkipped, halves_of
+from lightning_simigrad.measurement.factory import (
+    Parallelism,
+    Training,
+    measurement_for,
+    midpoint_reduction,
+    sharded_halves,
+    window_halves,
+)
+from lightning_simigrad.measurement.protocol import Attachment, Measurement, MeasurementError, loss_scale_of
+from lightning_simigrad.measurement.rank_groups import RankGroupMeasurement
 
 __all__ = [
+    "Attachment",
+    "ComposedMeasurement",
     "Measurement",
     "MeasurementError",
     "MeasurementSkipped",
-    "MidpointReductionMeasurement",
+    "Parallelism",
     "RankGroupMeasurement",
-    "ShardedHalvesMeasurement",
-    "TwoStageReduceScatterMeasurement",
-    "WindowHalvesMeasurement",
+    "Training",
+    "halves_of",
     "loss_scale_of",
+    "measurement_for",
+    "midpoint_reduction",
+    "sharded_halves",
+    "window_halves",
 ]

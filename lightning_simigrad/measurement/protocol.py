@@ -12,27 +12,18 @@ for each window:
 4. :meth:`~Measurement.abort` instead of ``collect`` when the window is abandoned (an epoch or fit ended
    inside it): nothing of it may leak into the next window;
 
-and :meth:`~Measurement.close` when the fit ends. The implementations:
-
-- :class:`~lightning_simigrad.measurement.window_halves.WindowHalvesMeasurement`: one process, the window's
-  two halves in time;
-- :class:`~lightning_simigrad.measurement.rank_groups.RankGroupMeasurement`: DDP, two groups of ranks,
-  inside the communication hook;
-- :class:`~lightning_simigrad.measurement.sharded_halves.ShardedHalvesMeasurement`: FSDP2, the window's
-  halves in time on every rank's gradient shards;
-- :class:`~lightning_simigrad.measurement.two_stage_reduce_scatter.TwoStageReduceScatterMeasurement`: FSDP1 on
-  an even number of ranks, two groups of ranks inside a two-stage reduce-scatter;
-- :class:`~lightning_simigrad.measurement.midpoint_reduction.MidpointReductionMeasurement`: FSDP1 on an odd
-  number, the halves in time, with the gradient reduced at the window's midpoint too.
-
-A new measurement (a fused device kernel, say) implements these five methods, ``min_micro_batches`` and
-``midpoint_reduction``; the run and the callback do not change. Every measurement reads the loss scale the same
-way, through :func:`loss_scale_of`.
+:meth:`~Measurement.attach` once when training starts, on the model as the strategy wrapped it (the measurement
+checks it and hooks itself in where it measures inside a reduction), and :meth:`~Measurement.close` when the fit
+ends. Every measurement is a composition (:mod:`~lightning_simigrad.measurement.composed`) of what its halves are
+(halves in time, two groups of ranks) and how their products cross ranks
+(:mod:`~lightning_simigrad.measurement.rows`); :mod:`~lightning_simigrad.measurement.factory` picks the one a
+strategy needs. Every measurement reads the loss scale the same way, through :func:`loss_scale_of`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from torch import Tensor
@@ -41,7 +32,7 @@ from lightning_simigrad import _compat
 from lightning_simigrad.core.plan import Window
 from lightning_simigrad.core.statistics import HalfStats
 
-__all__ = ["LossScale", "Measurement", "MeasurementError", "loss_scale_of"]
+__all__ = ["Attachment", "LossScale", "Measurement", "MeasurementError", "loss_scale_of"]
 
 LossScale = Tensor | float | None  # the loss scale as it stands, a tensor left on its device where it is one
 
@@ -53,13 +44,39 @@ class MeasurementError(RuntimeError):
 MeasurementError.__module__ = "lightning_simigrad"  # exported there; tracebacks name it where users import it
 
 
+@dataclass(frozen=True)
+class Attachment:
+    """The model a measurement attaches to when training starts.
+
+    Args:
+        model: the model as the strategy wrapped it (a ``DistributedDataParallel``, the FSDP1 root, or the module).
+        params: the LightningModule's parameters, as the optimizer sees them.
+        data_parallel_size: ranks that feed samples of their own.
+    """
+
+    model: Any
+    params: Sequence[Tensor]
+    data_parallel_size: int
+
+
 @runtime_checkable
 class Measurement(Protocol):
     """Measures the half-batch gradients of each window (see the module docstring for the call order)."""
 
-    min_micro_batches: int  # the fewest micro-batches per rank a window needs for two halves
-    # the last backward of a window's first half must reduce the gradient across ranks (leave DDP/FSDP1 `no_sync`)
-    midpoint_reduction: bool
+    @property
+    def name(self) -> str:
+        """What it measures on, for messages ("one-process", "DDP", "FSDP")."""
+
+    @property
+    def min_micro_batches(self) -> int:
+        """The fewest micro-batches per rank a window needs for two halves (2 in time, 1 for rank groups)."""
+
+    @property
+    def midpoint_reduction(self) -> bool:
+        """The last backward of a window's first half must reduce the gradient across ranks (leave ``no_sync``)."""
+
+    def attach(self, target: Attachment) -> None:
+        """Training starts on ``target``: check it, and hook in where the measurement needs to."""
 
     def start_micro_batch(self, window: Window, index: int, params: Sequence[Tensor]) -> None:
         """Micro-batch ``index`` of ``window`` is about to run its forward and backward."""

@@ -39,10 +39,11 @@ Write :math:`b_r = h_r/W` for rank :math:`r`'s pre-divided bucket (what it contr
   slice of :math:`u` and takes the products there: half the bytes of a half-group all-reduce, once
   per measured window. Group B's ranks take part with empty slices and compute nothing.
 
-:meth:`RankGroupMeasurement.collect` then all-gathers six float64 numbers per rank, and every rank
-sums them in rank order, so every rank gets bitwise the same :class:`~lightning_simigrad.core.statistics.HalfStats`
-and takes the same batch-size decision. The gradients are those of DDP's world all-reduce, computed
-exactly as its built-in reducer does (multiply by :math:`1/W`, then sum).
+:meth:`RankGroupMeasurement.collect` then all-gathers a row of six float64 numbers per rank
+(:mod:`~lightning_simigrad.measurement.rows`), and every rank sums them in rank order, so every rank gets bitwise
+the same :class:`~lightning_simigrad.core.statistics.HalfStats` and takes the same batch-size decision. The
+gradients are those of DDP's world all-reduce, computed exactly as its built-in reducer does (multiply by
+:math:`1/W`, then sum).
 
 ========  =============================================  ==============================
 W         extra gradient traffic per measured window      extra scalars (``collect``)
@@ -109,7 +110,6 @@ calls ``Work.wait()``, which releases NCCL's own stash of them). Besides: chunk 
 float64 numbers per bucket.
 """
 
-import warnings
 from collections.abc import Callable, Sequence
 
 import torch
@@ -118,17 +118,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_simigrad import _compat
 from lightning_simigrad.core.plan import Window
-from lightning_simigrad.core.statistics import HalfStats
-from lightning_simigrad.measurement import _ddp_scalars
-from lightning_simigrad.measurement._ddp_decision import decide, skipped_ranks
 from lightning_simigrad.measurement._ddp_hook import BucketHook, Layout, Round
-from lightning_simigrad.measurement.protocol import LossScale, MeasurementError, loss_scale_of
+from lightning_simigrad.measurement.composed import ComposedMeasurement, Finished, MeasurementSkipped
+from lightning_simigrad.measurement.protocol import Attachment, MeasurementError
+from lightning_simigrad.measurement.rows import Exchange, Stage
 
-__all__ = ["MeasurementError", "MeasurementSkipped", "RankGroupMeasurement"]
-
-
-class MeasurementSkipped(UserWarning):
-    """A step went unmeasured (a rank ran out of memory for the measurement); training went on."""
+__all__ = ["MeasurementError", "MeasurementSkipped", "RankGroupMeasurement", "RankGroups"]
 
 
 def _hook_conflict_message(existing: str) -> str:
@@ -140,15 +135,8 @@ def _hook_conflict_message(existing: str) -> str:
     )
 
 
-class RankGroupMeasurement:
-    """Half-batch gradient statistics of DDP's synchronising backward, measured in a comm hook.
-
-    Construct it on every rank (construction communicates nothing). Then per measured window:
-
-    1. ``arm(samples_per_rank)`` on every rank before the synchronising (last) backward of the window;
-    2. run the backward (DDP's gradients come out exactly as without the hook);
-    3. ``collect()`` on every rank: a collective returning the same :class:`HalfStats` everywhere, or
-       raising the same :class:`MeasurementError` everywhere.
+class RankGroups:
+    """The halves of DDP's synchronising backward: two groups of ranks, measured in a communication hook.
 
     Args:
         process_group: the group DDP synchronises over; None for the default (world) group.
@@ -156,17 +144,9 @@ class RankGroupMeasurement:
     Raises:
         RuntimeError: if ``torch.distributed`` is not initialised or this rank is not in the group.
         ValueError: if the group has fewer than two ranks (there would be no two halves).
-
-    Example::
-
-        measurement = RankGroupMeasurement()
-        measurement.register(ddp_model)
-        ...
-        measurement.arm(samples_per_rank)  # before the backward that synchronises
-        loss.backward()
-        stats = measurement.collect(loss_scale=scaler)  # HalfStats, identical on all ranks
     """
 
+    name = "DDP"
     min_micro_batches = 1  # the halves are two groups of ranks: one micro-batch per rank suffices
     midpoint_reduction = False  # measured in the window's one reduction
 
@@ -176,19 +156,19 @@ class RankGroupMeasurement:
                 "RankGroupMeasurement needs an initialised process group: call "
                 "`torch.distributed.init_process_group(...)` first."
             )
-        self._pg = process_group if process_group is not None else dist.group.WORLD
-        self._world_size = dist.get_world_size(self._pg)
-        if self._world_size < 2:
+        self.group = process_group if process_group is not None else dist.group.WORLD
+        self.world_size = dist.get_world_size(self.group)
+        if self.world_size < 2:
             raise ValueError(
-                f"RankGroupMeasurement needs a process group of at least 2 ranks, got {self._world_size}. "
+                f"RankGroupMeasurement needs a process group of at least 2 ranks, got {self.world_size}. "
                 "On one process measure the two halves of the accumulation window instead."
             )
-        self._rank = dist.get_rank(self._pg)
-        if self._rank < 0:
+        self.rank = dist.get_rank(self.group)
+        if self.rank < 0:
             raise RuntimeError("This rank is not a member of `process_group`.")
-        self._global_ranks = dist.get_process_group_ranks(self._pg)
-        self._layout = Layout(self._world_size, self._rank)
-        self._buckets = BucketHook(self._layout, self._pg)  # type: ignore[arg-type]
+        self._global_ranks = dist.get_process_group_ranks(self.group)
+        self._layout = Layout(self.world_size, self.rank)
+        self._buckets = BucketHook(self._layout, self.group)  # type: ignore[arg-type]
         self._model: DistributedDataParallel | None = None
         self._device = torch.device("cpu")
         self._closed = False
@@ -199,17 +179,14 @@ class RankGroupMeasurement:
         self._active: Round | None = None
         self._measured: Round | None = None
 
-    # ------------------------------------------------------------------ public API
-
-    @property
-    def world_size(self) -> int:
-        return self._world_size
-
     def group_of(self, rank: int) -> int:
         """0 if ``rank`` (a rank of the process group) is in group A (the first ``W // 2``), else 1."""
-        if not 0 <= rank < self._world_size:
-            raise ValueError(f"`rank` must lie in [0, {self._world_size}), got {rank}.")
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"`rank` must lie in [0, {self.world_size}), got {rank}.")
         return 0 if rank < self._layout.size_a else 1
+
+    def attach(self, target: Attachment) -> None:
+        self.register(target.model)
 
     def register(self, ddp_model: DistributedDataParallel) -> None:
         """Register the measuring comm hook on ``ddp_model`` (the DDP wrapper itself).
@@ -263,10 +240,8 @@ class RankGroupMeasurement:
         if self._model is None:
             raise RuntimeError("Call `register(ddp_model)` before `arm()`.")
         counts = tuple(int(n) for n in samples_per_rank)
-        if len(counts) != self._world_size:
-            raise ValueError(
-                f"`samples_per_rank` must hold one count per rank ({self._world_size}), got {len(counts)}."
-            )
+        if len(counts) != self.world_size:
+            raise ValueError(f"`samples_per_rank` must hold one count per rank ({self.world_size}), got {len(counts)}.")
         if any(n < 0 for n in counts):
             raise ValueError(f"`samples_per_rank` must be non-negative, got {list(counts)}.")
         size_a = self._layout.size_a
@@ -287,63 +262,7 @@ class RankGroupMeasurement:
         """Drop an armed or uncollected measurement (local, no communication). Call it on all ranks."""
         self._armed = self._active = self._measured = None
 
-    def collect(self, loss_scale: LossScale = None) -> HalfStats | None:
-        """The statistics of the last armed synchronisation, bitwise identical on every rank.
-
-        A collective (an all-gather of six float64 numbers per rank), issued on every rank whatever failed
-        locally: call it on every rank after the synchronising backward returned. Returns None when
-        nothing was armed (on any rank: arm on all ranks or none), and disarms.
-
-        Args:
-            loss_scale: the loss scale the backward ran under, to take out of the statistics: a tensor (read
-                with the rows, in the same transfer), a float, or None for unscaled gradients; a
-                ``torch.amp.GradScaler`` is read with :func:`~lightning_simigrad.measurement.protocol.loss_scale_of`.
-
-        Raises:
-            MeasurementError: on every rank alike, if the measurement failed on any rank, or no
-                synchronising backward ran since ``arm()``.
-            RuntimeError: if the all-gather itself failed (a rank died, or the process group timed out).
-        """
-        round = self._measured or self._armed or self._active
-        self.disarm()
-        if round is None:
-            return None
-        device = round.device or self._device
-        try:
-            stream = self._buckets.measurement_stream(device) if device.type == "cuda" else None
-            row = _ddp_scalars.local_row(round, self._layout.slot is not None, device, stream)
-        except Exception as error:
-            round.fail_or_skip(_ddp_scalars.COLLECT, error)
-            stage = _ddp_scalars.SKIPPED if round.failure is None else _ddp_scalars.COLLECT
-            row = _ddp_scalars.failed_row(device, stage)
-        scale = loss_scale_of(loss_scale)
-        try:
-            rows, scale_value = _ddp_scalars.fetch(_ddp_scalars.gather(row, self._pg, self._world_size), scale)  # type: ignore[arg-type]
-        except Exception as error:
-            raise RuntimeError(
-                f"The all-gather of SimiGrad's DDP measurement failed ({type(error).__name__}: {error}). A rank "
-                "died or the process group timed out; see the first failing rank's log."
-            ) from error
-        size_a = self._layout.size_a
-        n_a, n_b = sum(round.counts[:size_a]), sum(round.counts[size_a:])
-        try:
-            stats = decide(rows, n_a, n_b, squares=self._layout.squares)
-        except MeasurementError as error:
-            raise error from (round.failure[1] if round.failure is not None else None)
-        short = skipped_ranks(rows)
-        if short and self._rank == 0:  # one warning for the whole group, the same on every rank's decision
-            warnings.warn(
-                f"SimiGrad skipped this step's DDP measurement: rank{'s' if len(short) > 1 else ''} "
-                f"{', '.join(map(str, short))} ran out of device memory preparing or finishing it. The gradients "
-                "are plain DDP's, the batch size holds and training goes on. If it recurs, lower "
-                "`max_micro_batch_size` or DDP's `bucket_cap_mb` (the measurement holds up to one bucket more).",
-                MeasurementSkipped,
-                stacklevel=2,
-            )
-        return stats.scaled(1.0 / scale_value) if scale_value != 1.0 else stats
-
-    # ------------------------------------------------------------------ the measurement protocol
-
+    # ------------------------------------------------------------------ the halves
     def start_micro_batch(self, window: Window, index: int, params: Sequence[torch.Tensor]) -> None:
         """Arm before the window's last micro-batch (the synchronising backward), when both groups have samples."""
         if index != window.num_micro_batches - 1:
@@ -356,6 +275,53 @@ class RankGroupMeasurement:
     def after_backward(self, window: Window, index: int, fed: tuple[int, int], params: Sequence[torch.Tensor]) -> None:
         """Nothing: the hook measured the synchronising backward as it ran."""
 
+    def finish(self) -> Finished | None:
+        """This rank's ``[u.u, u.g, g.g, o.o]`` of the last armed synchronisation; None when nothing was armed."""
+        round = self._measured or self._armed or self._active
+        self.disarm()
+        if round is None:
+            return None
+        size_a = self._layout.size_a
+        n_a, n_b = sum(round.counts[:size_a]), sum(round.counts[size_a:])
+        items = (n_a, n_b, n_a + n_b)
+        device = round.device or self._device
+        try:
+            return self._local(round, items, device)
+        except Exception as error:
+            round.fail_or_skip(Stage.COLLECT, error)
+            stage = Stage.SKIPPED if round.failure is None else Stage.COLLECT
+            return Finished(None, items, stage, cause=error)
+
+    def _local(self, round: Round, items: tuple[int, int, int], device: torch.device) -> Finished:
+        if not round.started or round.num_buckets == 0:  # no backward, or one that never reached its last bucket
+            return Finished(None, items, Stage.NO_BACKWARD)
+        if round.failure is not None:
+            return Finished(None, items, Stage(round.failure[0]), cause=round.failure[1])
+        if round.skipped is not None:
+            return Finished(None, items, Stage.SKIPPED)
+        with round.lock:
+            present = [round.partials[i] for i in range(round.num_buckets) if i in round.partials]
+        computing = self._layout.slot is not None
+        missing = round.num_buckets - len(present) if computing else 0
+        stream = self._buckets.measurement_stream(device) if device.type == "cuda" else None
+        if stream is not None:  # the bucket products were made on the measurement stream
+            current = torch.cuda.current_stream(device)
+            current.wait_stream(stream)
+            for partial in present:
+                partial.record_stream(current)
+        products = torch.stack(present).sum(dim=0) if present else torch.zeros(4, dtype=torch.float64, device=device)
+        return Finished(products, items, missing=missing)
+
+    def after_read(self) -> None:
+        pass
+
+    def shares(self, sums: tuple[float, float, float, float]) -> tuple[float, float, float]:
+        """``(u.u, u.o, o.o)`` from the summed ``[u.u, u.g, g.g, o.o]``."""
+        uu, ug, gg, oo = sums
+        if self._layout.squares:  # W = 2: |g|^2 = u.u + 2 u.o + o.o, each square measured directly
+            return uu, 0.5 * (gg - uu - oo), oo
+        return uu, ug - uu, gg - 2.0 * ug + uu  # from u.g: u.o = u.g - u.u, o.o = g.g - 2 u.g + u.u
+
     def abort(self) -> None:
         """The window was abandoned: drop what was armed (see :meth:`disarm`)."""
         self.disarm()
@@ -366,8 +332,7 @@ class RankGroupMeasurement:
         self.disarm()
         self._buckets.clear()
 
-    # ------------------------------------------------------------------ internals
-
+    # ------------------------------------------------------------------ the hook
     def _make_hook(self) -> Callable[[object, dist.GradBucket], torch.futures.Future[torch.Tensor]]:
         # DDP checks the hook's annotations as objects: this module must not postpone them (no
         # `from __future__ import annotations`).
@@ -389,3 +354,51 @@ class RankGroupMeasurement:
             round.num_buckets = bucket.index() + 1
             self._measured, self._active = round, None
         return self._buckets.measure(round, bucket)
+
+
+class RankGroupMeasurement(ComposedMeasurement):
+    """Half-batch gradient statistics of DDP's synchronising backward, measured in a comm hook.
+
+    The composition of :class:`RankGroups` with one all-gather of a row per rank, and the API to use it on a
+    hand-built DDP model. Construct it on every rank (construction communicates nothing). Then per measured window:
+
+    1. ``arm(samples_per_rank)`` on every rank before the synchronising (last) backward of the window;
+    2. run the backward (DDP's gradients come out exactly as without the hook);
+    3. ``collect()`` on every rank: a collective returning the same :class:`HalfStats` everywhere, or
+       raising the same :class:`MeasurementError` everywhere; None when nothing was armed (on any rank:
+       arm on all ranks or none). An out-of-memory error in the measurement gives NaN statistics on every
+       rank and a :class:`MeasurementSkipped` warning on rank 0; the gradients are DDP's.
+
+    Args:
+        process_group: the group DDP synchronises over; None for the default (world) group.
+
+    Example::
+
+        measurement = RankGroupMeasurement()
+        measurement.register(ddp_model)
+        ...
+        measurement.arm(samples_per_rank)  # before the backward that synchronises
+        loss.backward()
+        stats = measurement.collect(loss_scale=scaler)  # HalfStats, identical on all ranks
+    """
+
+    def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
+        groups = RankGroups(process_group)
+        super().__init__(groups, Exchange(groups.group, what="DDP"), rank=groups.rank)
+        self.groups = groups
+
+    @property
+    def world_size(self) -> int:
+        return self.groups.world_size
+
+    def group_of(self, rank: int) -> int:
+        return self.groups.group_of(rank)
+
+    def register(self, ddp_model: DistributedDataParallel) -> None:
+        self.groups.register(ddp_model)
+
+    def arm(self, samples_per_rank: Sequence[int]) -> None:
+        self.groups.arm(samples_per_rank)
+
+    def disarm(self) -> None:
+        self.groups.disarm()

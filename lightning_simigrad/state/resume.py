@@ -18,7 +18,9 @@ stage                     what is still to do
 ========================  =========================================================================
 
 :class:`Restart` is what Lightning says about the checkpoint, read by the integration layer, so that
-this module and :class:`~lightning_simigrad.run.Run` never touch Lightning.
+this module and :class:`~lightning_simigrad.run.Run` never touch Lightning. :func:`position_of` says where the
+resumed epoch stands (and refuses what cannot be resumed exactly); every component then takes its own piece of
+the checkpoint back (:meth:`lightning_simigrad.run.Run.restore`).
 """
 
 from __future__ import annotations
@@ -26,15 +28,21 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from lightning_simigrad.data.schedule import ResumePoint
+from lightning_simigrad.core.sample_counts import Data
 from lightning_simigrad.state.rng import rng_state, set_rng_state
 
-if TYPE_CHECKING:
-    from lightning_simigrad.run import Run
-
-__all__ = ["Restart", "Resumption", "Stage", "resume"]
+__all__ = [
+    "Position",
+    "Restart",
+    "Resumption",
+    "Stage",
+    "generators_of",
+    "outside_bounds",
+    "position_of",
+    "without_state",
+]
 
 
 class Stage(enum.Enum):
@@ -104,70 +112,60 @@ class Resumption:
 _WAITING = (Stage.RNG_AT_FIRST_BATCH, Stage.RNG_BEFORE_EPOCH)
 
 
-def resume(run: Run, restart: Restart, warn: Callable[[str], None], info: Callable[[str], None]) -> Resumption:
-    """Pick the fit up where ``restart``'s checkpoint left it, or refuse a resume that cannot be exact.
+@dataclass(frozen=True)
+class Position:
+    """Where a resumed fit picks up: the checkpoint's epoch and, if the fit resumes inside it, the samples it had
+    committed there (the sampler skips them) and the windows it had planned but not trained."""
 
-    Every component gets its own piece of the checkpoint back: the controller its state, the schedule its
-    batch size, seed and the windows planned but not trained, the run its counts.
+    epoch: int
+    same_epoch: bool  # the fit resumes in the checkpoint's epoch (else Lightning trains the next one)
+    samples_done: int  # the epoch's committed samples, 0 unless the fit resumes inside the epoch
+
+
+def position_of(
+    state: dict[str, Any], restart: Restart, data: Data, world_size: int, warn: Callable[[str], None]
+) -> Position:
+    """Where the checkpoint left the epoch, or a refusal of a resume that cannot be exact.
+
+    Raises:
+        ValueError: the checkpoint was written in the middle of an epoch of a training set of another size.
     """
-    state = restart.state
-    if state is None:
-        _resume_without_state(run, restart, warn)
-        return Resumption(Stage.WITHOUT_STATE)
-    run.controller.load_state_dict(state["controller"])
-    schedule = run.schedule
-    schedule.batch_size = run.within_bounds(state["batch_size"])
-    schedule.seed = state["seed"]
-    run.samples_seen, run.steps = state["samples_seen"], state["steps"]
-    epoch, done = state["epoch"], state["epoch_samples_done"]
+    epoch, done = state["schedule"]["epoch"], state["counts"]["epoch_samples_done"]
+    length = state["run"]["epoch_length"]
     # a checkpoint written at the epoch's last batch ends it: Lightning then trains the next epoch
     same_epoch = epoch == restart.epoch and not restart.at_epoch_end
     mid_epoch = same_epoch and done > 0
-    if mid_epoch and state["epoch_length"] != run.data.epoch_length:
+    if mid_epoch and length != data.epoch_length:
         raise ValueError(
             f"The checkpoint {restart.path} was written {done} samples into epoch {epoch} of a training set of"
-            f" {state['epoch_length']} samples; this fit's training set has {run.data.epoch_length}, so the rest of"
-            " that epoch cannot be identified. Resume with the same training data, or from a checkpoint written at"
-            " the end of an epoch."
+            f" {length} samples; this fit's training set has {data.epoch_length}, so the rest of that epoch cannot be"
+            " identified. Resume with the same training data, or from a checkpoint written at the end of an epoch."
         )
-    if same_epoch and (done > 0 or state["planned"]) and run.world_size == 1 and not run.data.regenerable_order:
+    planned = state["schedule"]["planned"]
+    if same_epoch and (done > 0 or planned) and world_size == 1 and not data.regenerable_order:
         # (under DDP the sampler refuses such an order)
         warn(
             f"The checkpoint {restart.path} was written in the middle of epoch {epoch}, and the training"
-            f" DataLoader's `{run.data.sampler}` has an order SimiGrad cannot regenerate (only a RandomSampler without"
+            f" DataLoader's `{data.sampler}` has an order SimiGrad cannot regenerate (only a RandomSampler without"
             " replacement and a SequentialSampler have one): the rest of the epoch is taken from a new draw of"
             f" that order, past its first {done} samples, not from the order the interrupted run was following."
             f" Unless the sampler yields the same order every time, the resumed run trains other samples in epoch"
             f" {epoch} than the uninterrupted run. Resume from a checkpoint written at an epoch's end for an exact"
             " resume."
         )
-    planned = tuple(run.within_bounds(size) for size in state["planned"])
-    schedule.resume_from = ResumePoint(epoch, done, planned)
-    if schedule.batch_size != state["batch_size"] or planned != tuple(state["planned"]):
-        low, high = run.controller.min_batch_size, run.controller.max_batch_size
-        need = schedule.world_size * schedule.min_micro_batches
-        warn(
-            f"The checkpoint {restart.path} asks for batch sizes outside this fit's bounds, {low} to"
-            f" {'any size' if high is None else high} (`min_batch_size` and `max_batch_size`, and at least the"
-            f" {need} samples a measurement needs on {run.world_size} rank(s)): its batch size"
-            f" {state['batch_size']} and the windows it had planned, {list(state['planned'])}, are brought within"
-            f" them ({schedule.batch_size}, {list(planned)}). The resumed run therefore differs from the"
-            " uninterrupted one from its first step."
-        )
-    run.epoch_samples_done = done if mid_epoch else 0
-    if state["world_size"] != run.world_size:
-        info(
-            f"SimiGrad: resuming a checkpoint written on {state['world_size']} rank(s) on {run.world_size}:"
-            f" batch size {schedule.batch_size}, B0 {run.b0}, {run.samples_seen} samples seen; the rest of epoch"
-            f" {epoch} is shared among the {run.world_size} rank(s)."
-        )
+    return Position(epoch, same_epoch, done if mid_epoch else 0)
+
+
+def generators_of(state: dict[str, Any], position: Position, world_size: int, rank: int) -> Resumption:
+    """This rank's generator states from the checkpoint, waiting for the stage where they go back."""
     states = state.get("rng")
-    if states is None or len(states) != run.world_size:  # on other ranks, their streams start anew
+    if states is None or len(states) != world_size:  # on other ranks, their streams start anew
         return Resumption()
-    return Resumption(Stage.RNG_AT_FIRST_BATCH if same_epoch else Stage.RNG_BEFORE_EPOCH, states[run.rank])
+    return Resumption(Stage.RNG_AT_FIRST_BATCH if position.same_epoch else Stage.RNG_BEFORE_EPOCH, states[rank])
 
 
-def _resume_without_state(run: Run, restart: Restart, warn: Callable[[str], None]) -> None:
+def without_state(restart: Restart) -> str:
+    """What a resume from a checkpoint written without SimiGrad does, in words."""
     message = (
         f"The checkpoint {restart.path} has no SimiGrad state (it was written by a fit without the SimiGrad"
         " callback): SimiGrad starts again at the initial batch size B0 with a new controller, counting the"
@@ -180,7 +178,24 @@ def _resume_without_state(run: Run, restart: Restart, warn: Callable[[str], None
             " samples are trained again (plain Lightning, too, restarts a DataLoader that cannot resume from its"
             " first sample). Resume from a checkpoint written at an epoch's end to avoid it."
         )
-    warn(message)
-    # counted as the fixed-batch run that wrote the checkpoint counted: its steps were B0 samples
-    run.steps = restart.global_step
-    run.samples_seen = restart.global_step * run.b0
+    return message
+
+
+def outside_bounds(
+    restart: Restart,
+    asked: tuple[int, list[int]],
+    brought: tuple[int, list[int]],
+    bounds: tuple[int, int | None],
+    need: int,
+    world_size: int,
+) -> str:
+    """The warning for a checkpoint whose batch size (and planned windows) ``asked`` lie outside this fit's
+    ``bounds``, brought within them as ``brought``; ``need`` samples are what a measurement needs."""
+    low, high = bounds
+    return (
+        f"The checkpoint {restart.path} asks for batch sizes outside this fit's bounds, {low} to"
+        f" {'any size' if high is None else high} (`min_batch_size` and `max_batch_size`, and at least the"
+        f" {need} samples a measurement needs on {world_size} rank(s)): its batch size {asked[0]} and the windows it"
+        f" had planned, {asked[1]}, are brought within them ({brought[0]}, {brought[1]}). The resumed run therefore"
+        " differs from the uninterrupted one from its first step."
+    )

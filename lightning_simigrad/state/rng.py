@@ -13,12 +13,15 @@ gathered across ranks by ``all_gather_object`` (which in torch 2.14 cannot carry
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_ranks_rng_states", "rng_state", "set_rng_state"]
+from lightning_simigrad.core.fields import FINITE_NUMBER, NON_NEGATIVE_INT
+
+__all__ = ["all_ranks_rng_states", "check_rng", "rng_state", "set_rng_state"]
 
 
 def rng_state() -> dict[str, Any]:
@@ -66,3 +69,113 @@ def all_ranks_rng_states(state: dict[str, Any]) -> list[dict[str, Any]]:
     states: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(states, state)
     return states
+
+
+# ------------------------------------------------------------------------------ checks of a restored checkpoint
+_non_negative_int, _finite_number = NON_NEGATIVE_INT.check, FINITE_NUMBER.check
+
+
+def _torch_state_bytes() -> int:
+    return int(torch.get_rng_state().numel())
+
+
+_MT_WORDS = 624  # the Mersenne Twister's state (Python's `random`, NumPy's legacy generator): 624 32-bit words
+
+
+def _word(value: Any) -> bool:
+    return _non_negative_int(value) and value < 2**32
+
+
+def _python_state(value: Any) -> bool:
+    """``[version, internal, gauss]`` as ``random.getstate()`` returns it: 624 words and a position of at most 624."""
+    if not (isinstance(value, (list, tuple)) and len(value) == 3):
+        return False
+    version, internal, gauss = value
+    return (
+        version == random.getstate()[0]
+        and isinstance(internal, (list, tuple))
+        and len(internal) == _MT_WORDS + 1
+        and all(_word(word) for word in internal)
+        and internal[-1] <= _MT_WORDS
+        and (gauss is None or isinstance(gauss, float))
+    )
+
+
+def _numpy_state(value: Any) -> bool:
+    """``[kind, keys, position, has_gauss, cached_gaussian]`` as ``numpy.random.get_state()`` returns it."""
+    if not (isinstance(value, (list, tuple)) and len(value) == 5):
+        return False
+    kind, keys, position, has_gauss, cached = value
+    return (
+        kind == "MT19937"
+        and isinstance(keys, (list, tuple))
+        and len(keys) == _MT_WORDS
+        and all(_word(key) for key in keys)
+        and _non_negative_int(position)
+        and position <= _MT_WORDS
+        and has_gauss in (0, 1)
+        and _finite_number(cached)
+    )
+
+
+def _bytes_of(length: int) -> Callable[[Any], bool]:
+    return lambda value: isinstance(value, bytes) and len(value) == length
+
+
+_CUDA_STATE_BYTES = 16  # a CUDA generator's seed and Philox offset
+
+
+def _rng_fields() -> dict[str, tuple[Callable[[Any], bool], str, str, bool]]:
+    """field -> (check, what it holds, what it must be, required), as :func:`lightning_simigrad.state.rng.rng_state`
+    writes it."""
+    words = f"{_MT_WORDS} ints in [0, 2**32)"
+    return {
+        "torch": (_bytes_of(_torch_state_bytes()), "torch CPU generator state", f"{_torch_state_bytes()} bytes", True),
+        "python": (
+            _python_state,
+            "Python `random` state",
+            f"a list [3, {_MT_WORDS + 1} ints ({words} and a position of at most {_MT_WORDS}), None or a float]",
+            True,
+        ),
+        "cuda": (_bytes_of(_CUDA_STATE_BYTES), "CUDA generator state", f"{_CUDA_STATE_BYTES} bytes", False),
+        "numpy": (
+            _numpy_state,
+            "NumPy global generator state",
+            f"a list ['MT19937', {words}, a position of at most {_MT_WORDS}, 0 or 1, a finite float]",
+            False,
+        ),
+    }
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return f"{text} ({len(value)} bytes)" if isinstance(value, bytes) else text
+
+
+def check_rng(rng: Any, prefix: str) -> None:
+    """Every rank's random generator states are whole: restoring them cannot fail in the middle of training."""
+    fix = (
+        "The file is damaged or was edited. Delete the `rng` entry to resume without restoring the random generator"
+        " states, or resume from another checkpoint."
+    )
+    if not isinstance(rng, list):
+        raise ValueError(f"{prefix} has `rng` = {_short(rng)}, which must be a list of every rank's states. {fix}")
+    fields = _rng_fields()
+    for rank, entry in enumerate(rng):
+        if not isinstance(entry, dict):
+            raise ValueError(
+                f"{prefix} has `rng[{rank}]` = {_short(entry)}: rank {rank}'s random generator states must be a dict."
+                f" {fix}"
+            )
+        for name, (check, what, expected, required) in fields.items():
+            if name not in entry:
+                if required:
+                    raise ValueError(f"{prefix} lacks `rng[{rank}].{name}`, rank {rank}'s {what}. {fix}")
+                continue
+            if not check(entry[name]):
+                raise ValueError(
+                    f"{prefix} has `rng[{rank}].{name}` = {_short(entry[name])}: rank {rank}'s {what} must be"
+                    f" {expected}. {fix}"
+                )

@@ -1,0 +1,95 @@
+"""What SimiGrad refuses, before the first step, with an error that names the setting, shows it and says the fix.
+
+:func:`refuse_unsupported` runs in ``setup`` (the strategy, manual optimization, a ``training_step`` that fetches
+its own batches, callbacks that set the accumulation), :func:`refuse_several_optimizers` when the fit starts,
+:func:`check_dataloader` when the training data arrives. What a measurement needs of the wrapped model it checks
+itself when it attaches (:mod:`lightning_simigrad.measurement`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import BatchSizeFinder, GradientAccumulationScheduler
+from lightning.pytorch.strategies import (
+    DDPStrategy,
+    FSDPStrategy,
+    ModelParallelStrategy,
+    SingleDeviceStrategy,
+    Strategy,
+)
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+from torch.utils.data import DataLoader, IterableDataset
+
+from lightning_simigrad.measurement.sharding import refuse_unserved_fsdp1
+
+__all__ = ["check_dataloader", "refuse_several_optimizers", "refuse_unsupported"]
+
+
+def refuse_unsupported(trainer: pl.Trainer, pl_module: pl.LightningModule, max_micro_batch_size: int | None) -> None:
+    if not pl_module.automatic_optimization:
+        raise RuntimeError(
+            "SimiGrad drives Lightning's automatic optimization (accumulation windows and the optimizer step);"
+            " this LightningModule sets `automatic_optimization = False`. Use automatic optimization."
+        )
+    strategy: Strategy = trainer.strategy
+    served = (SingleDeviceStrategy, DDPStrategy, ModelParallelStrategy, FSDPStrategy)
+    if not isinstance(strategy, served) or strategy.handles_gradient_accumulation:
+        raise RuntimeError(
+            f"SimiGrad supports a single device, DDP (`strategy='ddp'`, 'ddp_spawn', ...), FSDP1 (`strategy='fsdp'`)"
+            f" and FSDP2 through `ModelParallelStrategy`; the Trainer uses `{type(strategy).__name__}`. DeepSpeed"
+            " accumulates gradients itself, where the half-batch gradients cannot be measured. Use one of those."
+        )
+    if isinstance(strategy, FSDPStrategy):
+        refuse_unserved_fsdp1(strategy.sharding_strategy.name, strategy.cpu_offload, "`FSDPStrategy`")
+    if is_param_in_hook_signature(pl_module.training_step, "dataloader_iter", explicit=True):
+        raise RuntimeError(
+            "SimiGrad plans every micro-batch of a step, so `training_step` must take the batch Lightning gives it;"
+            " this one takes `dataloader_iter` and fetches batches itself. Take `(batch, batch_idx)`."
+        )
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        if isinstance(callback, GradientAccumulationScheduler):
+            raise RuntimeError(
+                "SimiGrad sets the accumulation of every window itself; remove the `GradientAccumulationScheduler`"
+                " callback (use `max_micro_batch_size` to bound the memory of a micro-batch)."
+            )
+        if isinstance(callback, BatchSizeFinder) and max_micro_batch_size is not None:
+            raise RuntimeError(
+                f"A `BatchSizeFinder` tunes the largest micro-batch that fits, which SimiGrad then uses as"
+                f" `max_micro_batch_size`; this SimiGrad fixes `max_micro_batch_size={max_micro_batch_size}`."
+                " Remove one of the two."
+            )
+
+
+def refuse_several_optimizers(trainer: pl.Trainer) -> None:
+    if len(trainer.optimizers) != 1:
+        raise RuntimeError(
+            f"SimiGrad scales one optimizer's learning rate; `configure_optimizers` returned"
+            f" {len(trainer.optimizers)}. Return a single optimizer."
+        )
+
+
+def check_dataloader(loader: Any) -> None:
+    if not isinstance(loader, DataLoader):
+        raise RuntimeError(
+            f"SimiGrad needs the training data as one `torch.utils.data.DataLoader`, got `{type(loader).__name__}`."
+            " Return a single DataLoader from `train_dataloader`."
+        )
+    if isinstance(loader.dataset, IterableDataset):
+        raise RuntimeError(
+            f"SimiGrad plans every step's samples, which needs a sized map-style dataset; the training DataLoader"
+            f" reads an IterableDataset (`{type(loader.dataset).__name__}`). Use a map-style Dataset."
+        )
+    try:
+        len(loader.dataset)  # type: ignore[arg-type]
+    except TypeError:
+        raise RuntimeError(
+            f"SimiGrad needs the training dataset's length; `{type(loader.dataset).__name__}` has no `__len__`."
+            " Implement `__len__`."
+        ) from None
+    if loader.batch_size is None:
+        raise RuntimeError(
+            "SimiGrad sizes micro-batches itself from the DataLoader's `batch_size`; this DataLoader has"
+            " `batch_size=None` (a custom batch sampler or no batching). Pass `batch_size=` and no `batch_sampler`."
+        )

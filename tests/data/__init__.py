@@ -1,0 +1,1 @@
+"""The data: the adaptive batch sampler and its window schedule."""

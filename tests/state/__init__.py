@@ -1,0 +1,1 @@
+"""The state: what a checkpoint carries, resuming from it, the random generators."""

@@ -1,0 +1,1 @@
+"""What the tests share and do not collect: small models and data, the gloo process-group harness, the fault worker."""
