@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from hydra.errors import HydraException
+from hydra.errors import HydraException, InstantiationException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -115,6 +115,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     from lightning_simigrad_recipes.trace import SimiGradTrace
 
     cfg = _apply_smoke(cfg)
+    _check_required(cfg)
     out = _output_dir(cfg)
     out.mkdir(parents=True, exist_ok=True)
     if cfg.get("num_threads"):
@@ -159,6 +160,32 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     return result
 
 
+def _check_required(cfg: DictConfig) -> None:
+    """Settings an experiment leaves to the user (``???``, e.g. phase 2's ``model.init_from``), before any work."""
+    missing = sorted(_missing_keys(OmegaConf.to_container(cfg, resolve=False)))  # unresolved: no resolver runs
+    if missing:
+        experiment = _experiment_name(cfg)
+        raise RecipeError(
+            f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set and experiment={experiment} needs"
+            f" {'it' if len(missing) == 1 else 'them'}: add {' '.join(f'{key}=...' for key in missing)} to the command"
+            f" (conf/experiment/{experiment}.yaml says what each takes)"
+        )
+
+
+def _missing_keys(node: Any, prefix: str = "") -> list[str]:
+    if isinstance(node, dict):
+        return [key for k, v in node.items() for key in _missing_keys(v, f"{prefix}{k}.")]
+    if isinstance(node, list):
+        return [key for i, v in enumerate(node) for key in _missing_keys(v, f"{prefix}{i}.")]
+    return [prefix[:-1]] if node == "???" else []
+
+
+def _experiment_name(cfg: DictConfig) -> str:
+    if HydraConfig.initialized():
+        return str(HydraConfig.get().runtime.choices.get("experiment", cfg.get("name", "?")))
+    return str(cfg.get("name", "?"))
+
+
 def _check_sharding(cfg: DictConfig, model: pl.LightningModule) -> None:
     """``trainer=fsdp`` needs a module that shards itself in ``configure_model`` (the BERT recipes' does)."""
     from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -168,7 +195,7 @@ def _check_sharding(cfg: DictConfig, model: pl.LightningModule) -> None:
     if target.endswith(("ModelParallelStrategy", "FSDP2Strategy")) and not is_overridden("configure_model", model):
         raise RecipeError(
             f"trainer=fsdp: {type(model).__name__} does not shard itself (no configure_model); "
-            "the BERT recipes do (experiment=bert_tiny_pydoc, bert_tiny_stdlib, bert_large_pretrain)"
+            "the BERT recipes do (experiment=bert_tiny_pydoc, bert_tiny_stdlib, bert_large_pretrain, bert_large_phase2)"
         )
 
 
@@ -189,9 +216,13 @@ def _report(run_name: str, result: dict[str, Any]) -> None:
 def _hydra_main(cfg: DictConfig) -> None:
     try:
         train(cfg)
-    except RecipeError as err:
+    except (RecipeError, InstantiationException) as err:
+        # a RecipeError raised in a constructor reaches us wrapped by hydra.utils.instantiate
+        cause = err if isinstance(err, RecipeError) else err.__cause__
+        if not isinstance(cause, RecipeError):
+            raise
         # SystemExit passes through Hydra's job runner, which would otherwise add its own line
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {cause}", file=sys.stderr)
         raise SystemExit(2) from None
 
 

@@ -314,4 +314,8 @@ class MaskedTextDataModule(RecipeDataModule):
     def model_kwargs(self) -> dict[str, Any]:
         self.check_inputs()
         assert self.tokenizer is not None
-        return {"vocab_size": len(self.tokenizer), "pad_token_id": self.tokenizer.pad_token_id}
+        return {
+            "vocab_size": len(self.tokenizer),
+            "pad_token_id": self.tokenizer.pad_token_id,
+            "max_seq_length": self.max_seq_length,
+        }

@@ -1,5 +1,9 @@
 """BERT masked-LM pretraining LightningModule: ``transformers.BertForMaskedLM`` built from a config.
 
+``model.init_from`` starts the model from an earlier masked-LM run's ``.ckpt`` (phase 2 from phase 1): its encoder
+and its masked-LM head, weights only (``recipes/models/pretrained.py``); the optimizer, the LR schedule and
+SimiGrad's batch start afresh, as a new phase (``conf/experiment/bert_large_phase2.yaml`` says why).
+
 Under ``trainer=fsdp`` (Lightning's ``ModelParallelStrategy``, ``recipes/strategies.py``) the module shards itself in
 ``configure_model``: ``fully_shard`` on every encoder layer, then on the whole module (embeddings, the tied MLM head
 and the last LayerNorms form the root's unit). FSDP2 gathers a unit's parameters around that unit's ``forward``, so
@@ -14,15 +18,17 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from torch import nn
-from transformers import BertConfig, BertForMaskedLM
+from transformers import BertForMaskedLM
 
 from lightning_simigrad_recipes.errors import RecipeError
+from lightning_simigrad_recipes.models.bert_config import bert_config
 from lightning_simigrad_recipes.models.common import OptimizerFactory, SchedulerFactory, configure
+from lightning_simigrad_recipes.models.pretrained import load_pretrained
 from lightning_simigrad_recipes.optim import ShardedLamb
 
 
 class MaskedLM(pl.LightningModule):
-    """Pretrain a randomly initialized BERT with the masked-LM loss (no weights are downloaded).
+    """Pretrain BERT with the masked-LM loss, from a random init or an earlier run's weights (none downloaded).
 
     Logs ``train/loss``, ``val/loss`` and ``val/mlm_acc`` (accuracy on the masked tokens).
 
@@ -34,6 +40,9 @@ class MaskedLM(pl.LightningModule):
         scheduler: a partial LR scheduler or ``None``.
         scheduler_interval: ``"step"`` or ``"epoch"``.
         decay_norm_and_bias: apply weight decay to biases and LayerNorm weights too (BERT: no).
+        init_from: a masked-LM checkpoint of these recipes whose encoder and head start the model (``None``: random
+            init).
+        max_seq_length: the DataModule's sequence length, checked against ``max_position_embeddings``.
     """
 
     def __init__(
@@ -45,10 +54,13 @@ class MaskedLM(pl.LightningModule):
         scheduler: SchedulerFactory | None = None,
         scheduler_interval: str = "step",
         decay_norm_and_bias: bool = False,
+        init_from: str | None = None,
+        max_seq_length: int | None = None,
     ) -> None:
         super().__init__()
-        bert_config = BertConfig(**dict(config), vocab_size=vocab_size, pad_token_id=pad_token_id)
-        self.bert = BertForMaskedLM(bert_config)
+        self.bert = BertForMaskedLM(bert_config(config, vocab_size, pad_token_id, max_seq_length))
+        # encoder and head: phase 2 continues phase 1's masked-LM task, so nothing starts fresh
+        self.init_report = load_pretrained(self.bert, init_from, parts=("bert", "cls")) if init_from else None
         self.optimizer, self.scheduler = optimizer, scheduler
         self.scheduler_interval = scheduler_interval
         self.decay_norm_and_bias = decay_norm_and_bias

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed import run_ok
 from hydra import compose, initialize_config_module
 
 from lightning_simigrad_recipes.optim import ShardedLamb
@@ -25,7 +24,9 @@ def compose_cfg(overrides: list[str]):
         return _apply_smoke(compose(config_name="train", overrides=overrides))
 
 
-@pytest.mark.parametrize("experiment", ["bert_tiny_pydoc", "bert_tiny_stdlib", "bert_large_pretrain"])
+@pytest.mark.parametrize(
+    "experiment", ["bert_tiny_pydoc", "bert_tiny_stdlib", "bert_large_pretrain", "bert_large_phase2"]
+)
 def test_trainer_fsdp_composes_for_the_bert_recipes(experiment: str) -> None:
     cfg = compose_cfg([f"experiment={experiment}", "trainer=fsdp"])
     assert cfg.trainer.strategy._target_ == FSDP2 and cfg.trainer.strategy.tensor_parallel_size == 1
@@ -89,7 +90,7 @@ def _sharded_against_unsharded(rank: int, world: int) -> float:
 
 
 @pytest.mark.timeout(120)
-def test_sharded_lamb_on_fsdp2_shards_is_the_unsharded_lamb() -> None:
+def test_sharded_lamb_on_fsdp2_shards_is_the_unsharded_lamb(run_ok) -> None:
     # whole-parameter trust ratios from one all-reduce of the shards' squared norms, not per-shard ones
     assert max(run_ok(_sharded_against_unsharded, 2, deadline_s=100)) < 1e-6
 
