@@ -1,25 +1,30 @@
 """Step-time overhead of SimiGrad on one process, against plain Lightning accumulation.
 
-    python benchmarks/overhead.py                   # the MLP, ~6 minutes on 2 CPU cores
+    python benchmarks/overhead.py                   # the MLP, ~5 minutes on 2 CPU cores
     python benchmarks/overhead.py --model all       # also ResNet-18 and a tiny BERT (many parameter tensors)
     python benchmarks/overhead.py --model resnet18 --pairs 3 --steps 12 --micro 8
 
-Models: ``mlp`` (~10M parameters in 8 tensors), ``resnet18`` (torchvision's, 32x32 inputs: 11M parameters in
-62 tensors) and ``bert_tiny`` (a 4-layer BERT masked LM from a config, hidden size 128: 1.4M parameters in 72
-tensors). The many-tensor models show what the measurement costs per parameter tensor, which is what a GPU's
-kernel launches pay for (``benchmarks/launches.py`` counts the ops).
+Models: ``mlp`` (512-2048-2048-2048-10: 10.5M parameters in 8 tensors), ``resnet18`` (torchvision's, 32x32
+inputs: 11M parameters in 62 tensors) and ``bert_tiny`` (a 4-layer BERT masked LM from a config, hidden size 128:
+1.4M parameters in 72 tensors). The many-tensor models show what the measurement costs per parameter tensor,
+which is what a GPU's kernel launches pay for (``benchmarks/launches.py`` counts the ops).
 
-Both sides train the same ~10M-parameter MLP with the same micro-batch (``--micro``, 32) and window (4
-micro-batches, a global batch of 128): plain Lightning with ``accumulate_grad_batches=4``, and SimiGrad with
-``adjust=False`` (it measures the halves every step -- a midpoint snapshot and three dot products -- but
-keeps the batch fixed, so both sides do the same arithmetic otherwise). The two run alternately, pair by
-pair, in this one process; each pair's ratio compares the median optimizer-step time of the two fits,
-and the median over pairs is printed last. Goal: <= 1.05.
+Every side trains the same model with the same micro-batch (``--micro``, 16) and window (4 micro-batches):
+plain Lightning with ``accumulate_grad_batches=4``, and SimiGrad with ``adjust=False`` (it measures the halves
+every step but keeps the batch fixed, so the sides do the same arithmetic otherwise), twice: as it is (*after*:
+on CPU the large gradient tensors' products and the halves' addition stream through the cache chunk by chunk,
+``measurement._dots.STREAM_AT_LEAST``) and with every tensor through the fused multi-tensor ops (*before*: three
+norms and the addition, four passes over memory, as the measurement did until then). The sides run in turn, round
+by round, in this one process, the order rotating; each round's ratio compares the median optimizer-step times
+(wall and CPU) of the fits, and the medians over rounds are printed last, with the minor page faults per step
+(``resource.getrusage``). Goal: CPU-time ratio <= 1.05, page faults within 10% of plain's.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import resource
 import statistics
 import time
 
@@ -29,15 +34,17 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_simigrad import SimiGrad
+from lightning_simigrad.measurement import _dots
 
+STREAM_AT_LEAST = _dots.STREAM_AT_LEAST
 WINDOW = 4
 
 
 def _net(name: str) -> nn.Module:
     if name == "mlp":
         return nn.Sequential(
-            nn.Linear(1024, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(),
-            nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, 512),
+            nn.Linear(512, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(),
+            nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, 10),
         )  # fmt: skip
     if name == "resnet18":
         import torchvision
@@ -53,7 +60,7 @@ def _net(name: str) -> nn.Module:
 
 def _data(name: str, n: int) -> TensorDataset:
     if name == "mlp":
-        return TensorDataset(torch.randn(n, 1024), torch.randint(0, 512, (n,)))
+        return TensorDataset(torch.randn(n, 512), torch.randint(0, 10, (n,)))
     if name == "resnet18":
         return TensorDataset(torch.randn(n, 3, 32, 32), torch.randint(0, 10, (n,)))
     tokens = torch.randint(0, 2000, (n, 32))
@@ -79,7 +86,7 @@ class MLP(pl.LightningModule):
 
 
 class StepTimer(pl.Callback):
-    """Wall and process CPU time between consecutive optimizer steps, after a warm-up.
+    """Wall and process CPU time and minor page faults between consecutive optimizer steps, after a warm-up.
 
     CPU time is the steadier figure on a shared machine: another tenant's load stretches wall time but
     not the cycles this process spends.
@@ -89,24 +96,29 @@ class StepTimer(pl.Callback):
         self.warmup = warmup
         self.times: list[float] = []
         self.cpu_times: list[float] = []
-        self._last: tuple[float, float] | None = None
+        self.faults: list[int] = []
+        self._last: tuple[float, float, int] | None = None
 
     def on_before_zero_grad(self, trainer, pl_module, optimizer):  # once per window, at its start
-        now = (time.perf_counter(), time.process_time())
+        now = (time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
         if self._last is not None and trainer.global_step > self.warmup:
             self.times.append(now[0] - self._last[0])
             self.cpu_times.append(now[1] - self._last[1])
+            self.faults.append(now[2] - self._last[2])
         self._last = now
 
 
-def timed_fit(
-    use_simigrad: bool, steps: int, data: TensorDataset, micro: int, name: str = "mlp"
-) -> tuple[float, float]:
+SIDES = ("plain", "before", "after")
+
+
+def timed_fit(side: str, steps: int, data: TensorDataset, micro: int, name: str = "mlp") -> tuple[float, float, float]:
     torch.manual_seed(0)
     timer = StepTimer(warmup=2)
     callbacks: list[pl.Callback] = [timer]
-    if use_simigrad:
+    if side != "plain":
         callbacks.insert(0, SimiGrad(target_similarity=0.8, adjust=False))
+    # *before*: no tensor is large enough to stream; every one goes through the fused ops
+    _dots.STREAM_AT_LEAST = math.inf if side == "before" else STREAM_AT_LEAST
     trainer = pl.Trainer(
         accelerator="cpu",
         max_steps=steps,
@@ -118,21 +130,21 @@ def timed_fit(
         enable_model_summary=False,
     )
     trainer.fit(MLP(name), DataLoader(data, batch_size=micro, shuffle=True))
-    return statistics.median(timer.times), statistics.median(timer.cpu_times)
+    return statistics.median(timer.times), statistics.median(timer.cpu_times), statistics.median(timer.faults)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pairs", type=int, default=9)
+    parser.add_argument("--pairs", type=int, default=7, help="rounds of the three sides")
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--micro", type=int, default=32, help="micro-batch size (the window is 4 of them)")
+    parser.add_argument("--micro", type=int, default=16, help="micro-batch size (the window is 4 of them)")
     parser.add_argument("--model", choices=("mlp", "resnet18", "bert_tiny", "all"), default="mlp")
     args = parser.parse_args()
     for name in ("mlp", "resnet18", "bert_tiny") if args.model == "all" else (args.model,):
         measure(name, args.pairs, args.steps, args.micro)
 
 
-def measure(name: str, pairs: int, steps: int, micro: int) -> None:
+def measure(name: str, rounds: int, steps: int, micro: int) -> None:
     n = micro * WINDOW * (steps + 2)
     data = _data(name, n)
     net = _net(name)
@@ -142,21 +154,35 @@ def measure(name: str, pairs: int, steps: int, micro: int) -> None:
         f"model {name}: {params / 1e6:.1f}M parameters in {tensors} tensors; micro-batch {micro}, window {WINDOW},"
         f" {threads} threads"
     )
-    ratios, cpu_ratios = [], []
-    for pair in range(pairs):
-        # alternate which side runs first, so drift in the machine's speed falls on both
-        order = (False, True) if pair % 2 == 0 else (True, False)
+    wall: dict[str, list[float]] = {"before": [], "after": []}
+    cpu: dict[str, list[float]] = {"before": [], "after": []}
+    faults: dict[str, list[float]] = {side: [] for side in SIDES}
+    for round_ in range(rounds):
+        # rotate which side runs first, so drift in the machine's speed falls on all
+        order = SIDES[round_ % 3 :] + SIDES[: round_ % 3]
         times = {side: timed_fit(side, steps, data, micro, name) for side in order}
-        ratios.append(times[True][0] / times[False][0])
-        cpu_ratios.append(times[True][1] / times[False][1])
-        plain, ours = times[False][0] * 1e3, times[True][0] * 1e3
+        for side in ("before", "after"):
+            wall[side].append(times[side][0] / times["plain"][0])
+            cpu[side].append(times[side][1] / times["plain"][1])
+        for side in SIDES:
+            faults[side].append(times[side][2])
         print(
-            f"pair {pair}: plain {plain:7.1f} ms/step   simigrad {ours:7.1f} ms/step   ratio {ratios[-1]:.3f}"
-            f"   (CPU time ratio {cpu_ratios[-1]:.3f})"
+            f"round {round_}: plain {times['plain'][0] * 1e3:7.1f} ms/step"
+            + "".join(
+                f"   {side} {times[side][0] * 1e3:7.1f} ms/step (wall {wall[side][-1]:.3f}, CPU {cpu[side][-1]:.3f})"
+                for side in ("before", "after")
+            )
+            + "   page faults/step "
+            + " / ".join(f"{times[side][2]:.0f}" for side in SIDES)
         )
-    print(f"{name}: median CPU-time ratio: {statistics.median(cpu_ratios):.3f}")
+    for side in ("before", "after"):
+        print(
+            f"{name}: SimiGrad(adjust=False) {side} streaming / plain accumulation: median wall-time ratio"
+            f" {statistics.median(wall[side]):.3f}, median CPU-time ratio {statistics.median(cpu[side]):.3f}"
+        )
     print(
-        f"{name}: median step-time ratio SimiGrad(adjust=False) / plain accumulation: {statistics.median(ratios):.3f}"
+        f"{name}: minor page faults per step (median): plain {statistics.median(faults['plain']):.0f}, before"
+        f" {statistics.median(faults['before']):.0f}, after {statistics.median(faults['after']):.0f}"
     )
 
 

@@ -1,6 +1,6 @@
 r"""Dot products of gradient pieces: one bucket in bounded chunks, or every parameter's in O(1) ops.
 
-Both measurements reduce pairs of gradient pieces ``(a, b)`` to ``[a.a, a.b, b.b]``.
+The measurements reduce pairs of gradient pieces ``(a, b)`` to ``[a.a, a.b, b.b]``.
 
 **One large piece** (a DDP bucket, :func:`gram`, :func:`square`). Three separate ``torch.dot`` calls
 would stream each tensor from memory twice; cutting the pair into cache-sized chunks lets the second and
@@ -12,7 +12,12 @@ of parameter tensors in it.
 issues a handful of ops per tensor (ResNet-50 has 161 tensors, BERT-Large about 400): kernel launches
 and Python calls that cost more than the arithmetic. Instead, three fused multi-tensor (``foreach``) ops
 do it whatever the number of tensors: the norms of every ``a`` and ``b``, ``b += a``, and the norms of
-the sums; the cross term follows from :math:`|a+b|^2 = |a|^2 + 2\,a \cdot b + |b|^2`.
+the sums; the cross term follows from :math:`|a+b|^2 = |a|^2 + 2\,a \cdot b + |b|^2`. Those are four passes
+over the halves' memory where plain accumulation makes one (the addition). On CPU, where there are no kernel
+launches to save and a pass over a large gradient costs more than the ops, the pairs of at least
+:data:`STREAM_AT_LEAST` elements are instead streamed like one large piece (:func:`gram_and_add_`: per chunk, three
+dots and the addition on what sits in cache): one pass over memory, the products direct rather than by
+difference, a few ops per chunk; the small tensors still take the fused ops.
 
 Precision: the norms accumulate in float32 (``dtype=torch.float32`` also for bf16/fp16 gradients, which
 are read without a converted copy; float64 for float64 gradients) and are squared and summed in float64
@@ -159,14 +164,62 @@ def gram_and_add_all_(
 
     ``s`` is the concatenation of ``a`` and ``a_only``, ``r`` that of ``b`` and ``b_only``; ``a_only`` and
     ``b_only`` are pieces whose partner is zero (a parameter with a gradient in one half only). All tensors
-    lie on one device. About fifteen ops whatever the number of tensors; see the module docstring for the
-    precision. Returns a tensor of shape (3,) in :func:`wide_dtype`.
+    lie on one device. About fifteen ops whatever the number of tensors (on CPU, plus four per chunk of the large
+    pairs: see the module docstring); returns a tensor of shape (3,) in :func:`wide_dtype`.
 
     ``weights``, when given, weighs each tensor's contribution to the products (one more op): a vector in
     :func:`wide_dtype` on the tensors' device, laid out by :func:`norm_weights`. Under FSDP2 a piece held
     alike by several ranks (a replicated mesh dimension) is weighed by one over their number, so that the
     ranks' products add up to the whole gradient's.
     """
+    first = next((t for t in (*a, *a_only, *b, *b_only)), None)
+    if first is not None and first.device.type == "cpu":
+        streamed = [i for i, (x, y) in enumerate(zip(a, b)) if _streams(x, y)]
+        if streamed:
+            return _stream_large_pairs(a, b, a_only, b_only, weights, streamed)
+    return _fused_gram_and_add_all_(a, b, a_only, b_only, weights)
+
+
+# CPU: pairs of at least this many elements are streamed through the cache in chunks (`gram_and_add_`)
+STREAM_AT_LEAST = CPU_CHUNK
+
+
+def _streams(x: Tensor, y: Tensor) -> bool:
+    return x.numel() >= STREAM_AT_LEAST and x.is_contiguous() and y.is_contiguous() and x.dtype == y.dtype
+
+
+def _stream_large_pairs(
+    a: Sequence[Tensor],
+    b: Sequence[Tensor],
+    a_only: Sequence[Tensor],
+    b_only: Sequence[Tensor],
+    weights: Tensor | None,
+    streamed: list[int],
+) -> Tensor:
+    """CPU: the large pairs one chunk at a time (three dots and the addition on what sits in cache), the rest through
+    the fused ops; the same products and the same sums ``b += a`` as :func:`_fused_gram_and_add_all_`."""
+    large = torch.stack([gram_and_add_(a[i], b[i]) for i in streamed])  # rows [a.a, a.b, b.b]: [s.s, s.r, r.r]
+    chosen = set(streamed)
+    rest = [i for i in range(len(a)) if i not in chosen]
+    rest_weights = None
+    if weights is not None:
+        na, nao, nbo = len(a), len(a_only), len(b_only)
+        pairs = weights[:na]
+        large = large * pairs[streamed].unsqueeze(1)
+        kept = pairs[rest]
+        rest_weights = torch.cat([kept, weights[na : na + nao], kept, weights[2 * na + nao : 2 * na + nao + nbo], kept])
+    others = _fused_gram_and_add_all_([a[i] for i in rest], [b[i] for i in rest], a_only, b_only, rest_weights)
+    return large.sum(0).to(others) + others
+
+
+def _fused_gram_and_add_all_(
+    a: Sequence[Tensor],
+    b: Sequence[Tensor],
+    a_only: Sequence[Tensor] = (),
+    b_only: Sequence[Tensor] = (),
+    weights: Tensor | None = None,
+) -> Tensor:
+    """:func:`gram_and_add_all_` in a constant number of fused multi-tensor ops."""
     first = next((t for t in (*a, *a_only, *b, *b_only)), None)
     if first is None:
         return torch.zeros(3, dtype=torch.float64)

@@ -2,7 +2,7 @@
 
 Each test runs one check of ``benchmarks/gpu_check.py`` (the same code, which ``tests/distributed/test_gpu_check.py``
 also runs on CPU processes) and fails on any row that reports a failure; goals it measures (step-time ratios) are
-printed, not asserted: figures belong to the benchmark's table.
+printed, not asserted: figures belong to the benchmark's table. The allocation test at the end is this file's own.
 """
 
 from __future__ import annotations
@@ -12,6 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
+
+from lightning_simigrad import Window
+from lightning_simigrad.measurement import window_halves
 
 pytestmark = [
     pytest.mark.gpu,
@@ -60,3 +64,40 @@ def test_lightning_ddp_fits_take_the_same_steps_in_every_precision():
 @pytest.mark.parametrize("version", [2, 1], ids=["FSDP2", "FSDP1"])
 def test_fsdp_steps_are_exact(version):
     passed(gpu_check.check_fsdp("cuda", WORLD, quick=True, version=version))
+
+
+@pytest.mark.timeout(300)
+def test_after_the_first_window_the_measurement_allocates_no_gradient_sized_block():
+    """Steady state: a measured window asks the caching allocator for as many large blocks as plain accumulation."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, 10))
+    model = model.cuda()
+    params = list(model.parameters())
+    xs = [torch.randn(16, 512, device="cuda") for _ in range(4)]
+    ys = [torch.randint(0, 10, (16,), device="cuda") for _ in range(4)]
+    w = Window(((16,),) * 4)
+
+    def one_window(measurement) -> int:
+        before = torch.cuda.memory_stats()["allocation.large_pool.allocated"]
+        for p in params:
+            p.grad = None
+        fed = [0, 0]
+        for j in range(4):
+            if measurement is not None:
+                measurement.start_micro_batch(w, j, params)
+            (nn.functional.cross_entropy(model(xs[j]), ys[j]) / 4).backward()
+            fed[j >= 2] += 16
+            if measurement is not None:
+                measurement.after_backward(w, j, (fed[0], fed[1]), params)
+        if measurement is not None:
+            measurement.collect(None)
+        torch.cuda.synchronize()
+        return torch.cuda.memory_stats()["allocation.large_pool.allocated"] - before
+
+    measured = window_halves()
+    for _ in range(3):  # warm up both: the first window of the measurement has no spare yet
+        one_window(None)
+        one_window(measured)
+    plain = [one_window(None) for _ in range(3)]
+    ours = [one_window(measured) for _ in range(3)]
+    assert ours == plain, (ours, plain)

@@ -156,3 +156,37 @@ def test_slices_are_summed_in_float32_or_wider_not_in_their_own_precision() -> N
     u, y = slices.double().sum(0), b.double()
     expected = torch.stack([u @ u, u @ y, y @ y])
     torch.testing.assert_close(_dots.gram_of_sum(slices, b), expected, rtol=2e-5, atol=0)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_on_cpu_large_pairs_stream_through_the_cache_with_the_same_sums_and_products(weighted: bool) -> None:
+    """Pairs of at least STREAM_AT_LEAST elements take three dots and the addition chunk by chunk (one pass over
+    memory instead of four); the sums are bitwise the fused path's and the products agree with float64."""
+    g = torch.Generator().manual_seed(5)
+    shapes = [(700, 1024), (3,), (2, _dots.STREAM_AT_LEAST + 7), (11,), (5, 5)]
+    a = [torch.randn(s, generator=g) for s in shapes]
+    b = [torch.randn(s, generator=g) for s in shapes]
+    a_only, b_only = [torch.randn(300_000, generator=g)], [torch.randn(9, generator=g)]
+    weights = None
+    if weighted:
+        per_pair = [1.0, 0.5, 0.25, 1.0, 0.5]
+        weights = torch.tensor(_dots.norm_weights(per_pair, [0.5], [2.0]), dtype=torch.float64)
+    scaled = [w**0.5 for w in (weights[: len(a)].tolist() if weighted else [1.0] * len(a))]
+    expected = _reference(
+        [x.double() * f for x, f in zip(a, scaled)],
+        [y.double() * f for y, f in zip(b, scaled)],
+        [t.double() * (0.5**0.5 if weighted else 1.0) for t in a_only],
+        [t.double() * (2.0**0.5 if weighted else 1.0) for t in b_only],
+    )
+    fused_b = [y.clone() for y in b]
+    fused = _dots._fused_gram_and_add_all_(a, fused_b, a_only, b_only, weights)
+    with _OpCount() as ops:
+        got = _dots.gram_and_add_all_(a, b, a_only, b_only, weights)
+    assert all(torch.equal(y, z) for y, z in zip(b, fused_b))  # the gradient the optimizer sees: bitwise the same
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)  # dots in float32 chunks summed in float64
+    # the fused path recovers s.r by a difference of float32 norms, within a few 1e-6 of |s||r| at these sizes;
+    # streamed, the dots are direct: two orders of magnitude closer
+    scale = float((expected[0] * expected[2]).sqrt())
+    assert abs(float(fused[1] - expected[1])) < 1e-5 * scale and abs(float(got[1] - expected[1])) < 1e-7 * scale
+    chunks = sum(-(-a[i].numel() // _dots.CPU_CHUNK) for i in (0, 2))
+    assert ops.count < 30 + 12 * chunks, ops.count  # a few ops per chunk of the large pairs, none per small tensor
