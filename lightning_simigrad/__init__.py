@@ -8,7 +8,9 @@ The layers, from the inside out (``docs/architecture.md``): :mod:`~lightning_sim
 
 import importlib.metadata
 
+from lightning_simigrad.batch_size_schedule import BatchSizeSchedule
 from lightning_simigrad.callback import METRICS, SimiGrad
+from lightning_simigrad.core.batch_schedules import BatchSchedule, doubling, linear_ramp
 from lightning_simigrad.core.controller import BatchSizeController
 from lightning_simigrad.core.lr_scaling import lr_factor
 from lightning_simigrad.core.plan import Window, plan_window
@@ -25,7 +27,9 @@ except importlib.metadata.PackageNotFoundError:  # a source tree on sys.path, ne
 __all__ = [
     "METRICS",
     "AdaptiveBatchSampler",
+    "BatchSchedule",
     "BatchSizeController",
+    "BatchSizeSchedule",
     "HalfStats",
     "Measurement",
     "MeasurementError",
@@ -33,8 +37,10 @@ __all__ = [
     "SimiGrad",
     "Window",
     "WindowSchedule",
+    "doubling",
     "equilibrium_batch_size",
     "expected_similarity",
+    "linear_ramp",
     "lr_factor",
     "plan_window",
 ]

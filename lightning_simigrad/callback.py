@@ -86,18 +86,24 @@ class SimiGrad(Readings):
     """
 
     def __init__(self, target_similarity: float, **arguments: Any) -> None:
+        if "schedule" in arguments:
+            raise TypeError(
+                "SimiGrad() got an unexpected keyword argument 'schedule': for a fixed batch-size schedule use"
+                " `BatchSizeSchedule(schedule, ...)` instead of SimiGrad."
+            )
         super().__init__(Settings(target_similarity, **arguments))  # validated here, before any Trainer exists
 
     __init__.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
         [
             inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-            *inspect.signature(Settings).parameters.values(),
+            *(p for name, p in inspect.signature(Settings).parameters.items() if name != "schedule"),
         ]
     )
+    ARGUMENTS = frozenset(Settings.__dataclass_fields__) - {"schedule"}  # what reads back as an attribute
 
     def __getattr__(self, name: str) -> Any:  # the arguments, read as attributes: `callback.target_similarity`
         settings = self.__dict__.get("settings")
-        if settings is None or name not in Settings.__dataclass_fields__:
+        if settings is None or name not in type(self).ARGUMENTS:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         return getattr(settings, name)
 

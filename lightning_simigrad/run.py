@@ -148,6 +148,8 @@ class Run:
             seed=seed,
             epoch=epoch,
             samples_left=self.samples_left,
+            trained=lambda: self.counts.weight_seen,
+            planner=None if settings.schedule is None else self.scheduled_size,
         )
         self.counts = FitCounts()
         self.scheduler_steps = SchedulerSteps()  # advanced by the integration, which steps the schedulers
@@ -158,7 +160,7 @@ class Run:
         self.fed_weight = 0  # their weight
         self.lr_factor = 1.0
         self.window_rng: dict[str, Any] | None = None  # the generator states as the current window started
-        self.resumption = self.restore(restart, warn, info) if restart is not None else Resumption()
+        self.resumption = restore(self, restart, warn, info) if restart is not None else Resumption()
         self.bounds.validation_interval()  # refuses an interval validation would never reach, before training
 
     # ------------------------------------------------------------------------------ the data and the fit
@@ -234,6 +236,8 @@ class Run:
         total_before = self.counts.samples_seen
         # the epoch's position is where the sampler stands: the whole window it drew, skipped micro-batches too
         epoch_span = self.counts.commit(samples=fed, weight=self.fed_weight, epoch_samples=window.total)
+        if self.settings.schedule is not None:  # what the checkpoint and the readings show as the batch asked for
+            self.schedule.batch_size = self.scheduled_size(self.counts.weight_seen)
         return Step(
             index=self.counts.steps - 1,
             samples=fed,
@@ -283,6 +287,12 @@ class Run:
         inside = self.schedule.current.inside_window
         return self.resumption.to_save(self.window_rng if inside else None)
 
+    def scheduled_size(self, trained: int) -> int:
+        """A fixed schedule's batch size after ``trained`` weight, within this fit's bounds (the smallest batch a
+        measurement needs may lie above what the schedule was checked against)."""
+        assert self.settings.schedule is not None
+        return self.within_bounds(self.settings.schedule(trained))
+
     def factor_for(self, weight: int) -> float:
         """The learning-rate factor of a step of ``weight``."""
         return lr_factor(weight, self.b0, self.settings.lr_scaling, self.settings.lr_scaling_blend)
@@ -312,37 +322,38 @@ class Run:
             "progress": self.scheduler_steps.state_dict(),
         }
 
-    def restore(self, restart: Restart, warn: Callable[[str], None], info: Callable[[str], None]) -> Resumption:
-        """Pick the fit up where ``restart``'s checkpoint left it, or refuse a resume that cannot be exact: every
-        component takes its own piece back."""
-        state = restart.state
-        if state is None:
-            warn(without_state(restart))
-            # counted as the fixed-batch run that wrote the checkpoint counted: its steps were B0 samples
-            seen = restart.global_step * self.b0
-            self.counts.load_state_dict(
-                {"steps": restart.global_step, "samples_seen": seen, "weight_seen": seen, "epoch_samples_done": 0}
-            )
-            return Resumption(Stage.WITHOUT_STATE)
-        self.controller.load_state_dict(state["controller"])
-        self.counts.load_state_dict(state["counts"])
-        self.scheduler_steps.load_state_dict(state["progress"])
-        position = position_of(state, restart, self.data, self.world_size, warn)
-        self.counts.start_epoch(position.samples_done)
-        piece = state["schedule"]
-        batch_size = self.within_bounds(piece["batch_size"])
-        planned = tuple(self.within_bounds(size) for size in piece["planned"])
-        done = state["counts"]["epoch_samples_done"]
-        self.schedule.load_state_dict({**piece, "batch_size": batch_size}, ResumePoint(position.epoch, done, planned))
-        if batch_size != piece["batch_size"] or planned != tuple(piece["planned"]):
-            bounds = (self.controller.min_batch_size, self.controller.max_batch_size)
-            need = self.schedule.world_size * self.schedule.min_micro_batches
-            asked, brought = (piece["batch_size"], list(piece["planned"])), (batch_size, list(planned))
-            warn(outside_bounds(restart, asked, brought, bounds, need, self.world_size))
-        if state["run"]["world_size"] != self.world_size:
-            info(
-                f"SimiGrad: resuming a checkpoint written on {state['run']['world_size']} rank(s) on"
-                f" {self.world_size}: batch size {batch_size}, B0 {self.b0}, {self.counts.samples_seen} samples seen;"
-                f" the rest of epoch {position.epoch} is shared among the {self.world_size} rank(s)."
-            )
-        return generators_of(state, position, self.world_size, self.rank)
+
+def restore(run: Run, restart: Restart, warn: Callable[[str], None], info: Callable[[str], None]) -> Resumption:
+    """Pick ``run`` up where ``restart``'s checkpoint left it, or refuse a resume that cannot be exact: every
+    component of the run takes its own piece back."""
+    state = restart.state
+    if state is None:
+        warn(without_state(restart))
+        # counted as the fixed-batch run that wrote the checkpoint counted: its steps were B0 samples
+        seen = restart.global_step * run.b0
+        run.counts.load_state_dict(
+            {"steps": restart.global_step, "samples_seen": seen, "weight_seen": seen, "epoch_samples_done": 0}
+        )
+        return Resumption(Stage.WITHOUT_STATE)
+    run.controller.load_state_dict(state["controller"])
+    run.counts.load_state_dict(state["counts"])
+    run.scheduler_steps.load_state_dict(state["progress"])
+    position = position_of(state, restart, run.data, run.world_size, warn)
+    run.counts.start_epoch(position.samples_done)
+    piece = state["schedule"]
+    batch_size = run.within_bounds(piece["batch_size"])
+    planned = tuple(run.within_bounds(size) for size in piece["planned"])
+    done = state["counts"]["epoch_samples_done"]
+    run.schedule.load_state_dict({**piece, "batch_size": batch_size}, ResumePoint(position.epoch, done, planned))
+    if batch_size != piece["batch_size"] or planned != tuple(piece["planned"]):
+        bounds = (run.controller.min_batch_size, run.controller.max_batch_size)
+        need = run.schedule.world_size * run.schedule.min_micro_batches
+        asked, brought = (piece["batch_size"], list(piece["planned"])), (batch_size, list(planned))
+        warn(outside_bounds(restart, asked, brought, bounds, need, run.world_size))
+    if state["run"]["world_size"] != run.world_size:
+        info(
+            f"SimiGrad: resuming a checkpoint written on {state['run']['world_size']} rank(s) on"
+            f" {run.world_size}: batch size {batch_size}, B0 {run.b0}, {run.counts.samples_seen} samples seen;"
+            f" the rest of epoch {position.epoch} is shared among the {run.world_size} rank(s)."
+        )
+    return generators_of(state, position, run.world_size, run.rank)

@@ -129,7 +129,7 @@ class SimiGradTrace(Callback):
         write_csv(self.history, self.csv_path)
         run = getattr(simigrad, "run", None)
         population = run.bounds.population() if run is not None else math.inf  # the epoch's N (inf: unknown)
-        plot(self.history, self.png_path, self.title, simigrad.target_similarity if simigrad else None, population)
+        plot(self.history, self.png_path, self.title, getattr(simigrad, "target_similarity", None), population)
         for logger in trainer.loggers:
             if isinstance(logger, WandbLogger):
                 import wandb

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from lightning_simigrad.core.batch_schedules import BatchSchedule
 from lightning_simigrad.core.controller import BatchSizeController
 from lightning_simigrad.core.lr_scaling import LR_SCALINGS
 
@@ -75,6 +76,8 @@ class Settings(BatchSettings):
     noise_scale_decay: float = 0.9  # EMA decay of the noise scale's numerator and denominator
     deadband: float = 0.0  # hold while the similarity is this close to the target
     warmup_steps: int = 0  # measured steps before the first change
+    # a fixed schedule decides the batch instead of the controller (BatchSizeSchedule; not an argument of SimiGrad)
+    schedule: BatchSchedule | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()

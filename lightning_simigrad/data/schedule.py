@@ -134,6 +134,9 @@ class WindowSchedule:
         samples_left: returns how many samples the fit may still train (read when an epoch's iterator
             starts, when every window planned before has been trained); ``math.inf`` when unbounded.
             The window that reaches it is cut to exactly what is left.
+        trained: returns the weight the fit has trained (read when an epoch's iterator starts, as ``samples_left``).
+        planner: a fixed schedule: the batch size of the window that starts after a given weight trained (None: the
+            controller's ``batch_size``, which a decision changes).
     """
 
     batch_size: int
@@ -144,6 +147,8 @@ class WindowSchedule:
     epoch: Callable[[], int] = lambda: 0
     epoch_limit: int | None = None
     samples_left: Callable[[], float] = lambda: math.inf
+    trained: Callable[[], int] = lambda: 0
+    planner: Callable[[int], int] | None = None
     current: EpochPlan = field(default_factory=EpochPlan)
     # where a run resumed in the middle of an epoch picks it up
     resume_from: ResumePoint | None = None
@@ -171,6 +176,11 @@ class WindowSchedule:
         self.batch_size = int(state["batch_size"])
         self.seed = int(state["seed"])
         self.resume_from = resume_from
+
+    def requested(self, trained: int) -> int:
+        """The batch size a window asks for when it starts after ``trained`` weight: the schedule's, or the
+        controller's latest decision."""
+        return self.batch_size if self.planner is None else self.planner(trained)
 
     def plan(self, available: int, take_small_remainder: bool = True, batch_size: int | None = None) -> Window:
         return plan_window(

@@ -27,7 +27,9 @@ def walk_epoch(schedule: WindowSchedule, epoch: int, length: int, drop_last: boo
 
     >>> schedule = WindowSchedule(batch_size=4, max_micro_batch_size=2, min_micro_batches=2)
     >>> [(window.sizes, start) for window, start in walk_epoch(schedule, 0, 10, drop_last=False)]
-    [(((2,), (2,)), 0), (((2,), (1,)), 4), (((2,), (1,)), 7)]
+    [(((2,), (2,)), 0), (((2,), (2,), (2,)), 4)]
+
+    (The 2 samples a second window of 4 would leave are too few for a window of their own: the last takes them.)
     """
     data_end = length if schedule.epoch_limit is None else min(length, schedule.epoch_limit)
     position = 0
@@ -36,6 +38,9 @@ def walk_epoch(schedule: WindowSchedule, epoch: int, length: int, drop_last: boo
     if resume is not None and resume.epoch == epoch:
         position = resume.samples_done
         replay = deque(resume.planned)
+    # what the fit trained before this epoch's first window: a fixed schedule sizes each window by what was trained
+    # before it (planned windows train in order, so that is this plus the epoch's positions before the window)
+    before_epoch = schedule.trained() - position
     # the fit's budget cuts the window that reaches it to exactly what is left; windows after it are planned as usual
     # but never trained (the run stops the fit), so the epoch does not look finished to Lightning, as with any stop
     # in the middle of an epoch
@@ -45,7 +50,7 @@ def walk_epoch(schedule: WindowSchedule, epoch: int, length: int, drop_last: boo
     share: int | None = None  # the epoch's last window: what the window before it left
     previous = 0  # the window planned before (0: none in this walk)
     while position < data_end:
-        requested = replay.popleft() if replay else schedule.batch_size
+        requested = replay.popleft() if replay else schedule.requested(before_epoch + position)
         if share is not None:
             requested, share = share, None
         if drop_last and data_end - position < requested:

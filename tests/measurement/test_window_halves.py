@@ -96,4 +96,3 @@ def test_an_aborted_window_gives_its_first_half_back_and_nothing_reaches_the_nex
     accumulate(next_params, next_grads, measurement)
     assert measurement.collect(None) is not None
     assert torch.equal(flat([p.grad for p in params]), flat(halves_joined(next_grads)))
-

@@ -216,6 +216,25 @@ def test_digits_off_keeps_the_batch_and_still_measures(tmp_path: Path) -> None:
     assert logged and "simigrad/similarity" in logged[0].read_text().splitlines()[0]
 
 
+def test_digits_ramp_follows_a_linear_ramp_from_b0(tmp_path: Path) -> None:
+    cfg = compose_cfg([
+        "simigrad=ramp", "simigrad.end=64", "simigrad.over=640", "simigrad.max_samples=1200", f"output_dir={tmp_path}",
+        *TINY,
+    ])  # fmt: skip
+    result = train(cfg)
+    with open(result["trace_csv"]) as f:
+        sizes = [int(float(row["batch_size"])) for row in csv.DictReader(f)]
+    trained, expected = 0, []
+    for size in sizes:
+        expected.append(round(16 + (64 - 16) * min(trained, 640) / 640))  # from B0 = 16 to 64 over 640 samples
+        trained += size
+    assert sizes[:-1] == expected[:-1] and trained == 1200  # the last step takes exactly what the budget leaves
+    with pytest.raises(Exception) as refused:  # the command line prints the RecipeError alone (see test_recipes_cli)
+        train(compose_cfg(["simigrad=ramp", "simigrad.kind=cubic", f"output_dir={tmp_path}", *TINY]))
+    cause = refused.value if isinstance(refused.value, RecipeError) else refused.value.__cause__
+    assert isinstance(cause, RecipeError) and "simigrad.kind='cubic': one of linear, doubling" in str(cause)
+
+
 # ---- W&B offline
 def wandb_records(path: Path) -> list[Any]:
     """Protobuf records of a ``.wandb`` run file: LevelDB-log framing (32 KiB blocks, 7-byte chunk headers)."""
