@@ -98,7 +98,8 @@ def sources(tmp_path_factory) -> dict:
 @pytest.mark.parametrize("world,resumed_world", [(1, 2), (2, 1), (2, 3), (4, 2)])
 def test_a_checkpoint_resumes_on_another_number_of_ranks(tmp_path, sources, world, resumed_world):
     path, state, before = sources(world)
-    assert state["world_size"] == world and state["steps"] == STOP and state["epoch_samples_done"] < N
+    assert state["run"]["world_size"] == world and state["counts"]["steps"] == STOP
+    assert state["counts"]["epoch_samples_done"] < N
     ranks = fit(tmp_path, resumed_world, ckpt_path=path)
     after = steps_of(ranks)
     history = ranks[0]["history"]
@@ -111,13 +112,13 @@ def test_a_checkpoint_resumes_on_another_number_of_ranks(tmp_path, sources, worl
     # what SimiGrad had decided carries over
     assert ranks[0]["controller"] == state["controller"]
     first = history[0]
-    planned = state["planned"][0] if state["planned"] else state["batch_size"]
+    planned = state["schedule"]["planned"][0] if state["schedule"]["planned"] else state["schedule"]["batch_size"]
     # the window planned before the checkpoint, raised to the smallest batch the new world size measures: two
     # micro-batches on one process, one sample per rank under DDP (`world_size * min_micro_batches`)
     smallest = 2 if resumed_world == 1 else resumed_world
     assert first["batch_size"] == max(planned, smallest)
-    assert first["step"] == STOP and first["samples_seen"] == state["samples_seen"] + first["batch_size"]
-    b0 = state["initial_batch_size"]
+    assert first["step"] == STOP and first["samples_seen"] == state["counts"]["samples_seen"] + first["batch_size"]
+    b0 = state["run"]["initial_batch_size"]
     assert b0 == 4 * world  # the checkpoint's B0, not 4 x the new world size
     assert all(h["lr_scale"] == pytest.approx(math.sqrt(h["batch_size"] / b0)) for h in history)
     assert len({h["batch_size"] for h in history}) > 3  # and the controller keeps adapting on the new ranks
