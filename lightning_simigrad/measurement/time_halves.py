@@ -78,24 +78,50 @@ class LocalPieces:
 
 
 class MoveAside:
-    """The first half's gradient taken off the parameters at the midpoint (``p.grad = None``: a move, no copy), so
-    the second half accumulates on its own; at the end its products are taken and it is added back into the second
-    half's gradient (the addition plain accumulation does anyway). One gradient-sized buffer, held from the
-    midpoint to the window's end."""
+    """The first half's gradient taken off the parameters at the midpoint (a move, no copy), so the second half
+    accumulates on its own; at the end its products are taken and it is added into the second half's gradient (the
+    addition plain accumulation does anyway).
+
+    The second half accumulates into a *spare*: the buffers of the previous window's first half, kept once their
+    products were read, and set to -0.0 at the midpoint (two fused ops). -0.0 + x is x bitwise, so the backward's
+    in-place accumulation leaves exactly what it would leave in fresh tensors, and the gradient is bitwise what it
+    is without a spare. Without one (the first window, a parameter that had no gradient), ``p.grad = None`` and the
+    backward allocates fresh tensors, as in plain training. So after the first window the measurement allocates no
+    gradient-sized memory: the window allocates its first half as plain accumulation does (after ``zero_grad``),
+    and the second half reuses what the previous window let go. The cost is one gradient held between windows
+    (held from the midpoint to the window's end without a spare): the extra resident memory stays one gradient.
+    """
+
+    def __init__(self) -> None:
+        self._spare: dict[int, Tensor] = {}  # id(parameter) -> a buffer shaped as its gradient, free to overwrite
 
     def set_aside(self, pieces: Pieces, params: Sequence[Tensor]) -> list[tuple[Tensor, Tensor]]:
-        first = []
+        first, spares, handed = [], [], []
         for p in params:
-            if p.grad is not None:
-                first.append((p, p.grad))
-                p.grad = None
+            grad = p.grad
+            if grad is None:
+                continue
+            first.append((p, grad))
+            spare = self._spare.pop(id(p), None)
+            if spare is not None and _fits(spare, grad):
+                spares.append(spare)
+                handed.append((p, spare))
+            p.grad = None
+        self._spare.clear()  # what was not handed out belongs to parameters that have no gradient now
+        if spares:
+            _compat.foreach_negative_zero_([pieces.storage(t) for t in spares])
+            for p, spare in handed:
+                p.grad = spare
         return first
 
     def keep(self, first: Sequence[tuple[Tensor, Tensor]]) -> None:
-        """Nothing is kept between windows."""
+        """The first half's buffers are free (their products were read, or they were added back): the next window's
+        second half accumulates into them."""
+        self._spare = {id(p): kept for p, kept in first}
 
     def drop(self) -> None:
-        pass
+        """Release the spare (the fit is over)."""
+        self._spare = {}
 
     @torch.no_grad()
     def restore(self, pieces: Pieces, first: list[tuple[Tensor, Tensor]]) -> None:
@@ -111,6 +137,7 @@ class MoveAside:
             _compat.foreach_add_([storage(g) for g, _ in pairs], [storage(f) for _, f in pairs])
             for _, kept in pairs:  # rare (an abandoned window): one call per tensor is fine here
                 read_on_current_stream(storage(kept))
+        self.keep([(p, kept) for p, kept in first if p.grad is not kept])
 
     @torch.no_grad()
     def combine(
@@ -136,6 +163,18 @@ class MoveAside:
             [pieces.storage(t) for t in group] for group in (firsts, seconds, first_only, second_only)
         )
         return gram_and_add_all_(firsts, seconds, first_only, second_only, weights), firsts
+
+
+def _fits(spare: Tensor, grad: Tensor) -> bool:
+    """``spare`` can stand in for ``grad`` (the same layout), and is not the gradient itself."""
+    return (
+        spare is not grad
+        and spare.shape == grad.shape
+        and spare.dtype == grad.dtype
+        and spare.device == grad.device
+        and spare.stride() == grad.stride()
+        and type(spare) is type(grad)
+    )
 
 
 class CopyAside:
