@@ -5,8 +5,8 @@ A :class:`Run` is made when the training data arrives (by the fit's
 controller, the window schedule the data path plans from, the measurement, the fit's counts and bounds -- each of
 which keeps and checkpoints its own state. One optimizer step reads, top to bottom:
 
-1. **plan** -- the data path has already planned the step's window from the controller's batch size
-   (:func:`~lightning_simigrad.data.windows.walk_epoch`): its micro-batches, their sizes on every rank;
+1. **plan** -- the data path has already planned the step's window from the controller's batch size, or a fixed
+   schedule's (:func:`~lightning_simigrad.data.windows.walk_epoch`): its micro-batches, their sizes on every rank;
 2. **each micro-batch** -- :meth:`Run.start_micro_batch` says which window and slot it is, the loss divisor that
    weighs each of its samples by exactly ``1/N`` and the step's learning-rate factor; the measurement is told
    (on one process it sets the first half aside at the window's midpoint); after the backward,
