@@ -15,7 +15,7 @@ ValueError: `lr_scaling` must be one of ('sqrt', 'linear', 'none'), got 'cubic'.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_simigrad.core.batch_schedules import BatchSchedule
@@ -56,11 +56,6 @@ class BatchSettings:
                 f"`history_size` must be a non-negative int or None, got {size!r}. Use None to keep every"
                 " step, 0 to keep none."
             )
-
-    @classmethod
-    def of(cls, holder: Any) -> Any:
-        """A frozen copy of the settings ``holder`` (a callback built on this dataclass) carries now."""
-        return cls(**{f.name: getattr(holder, f.name) for f in fields(cls)})
 
 
 @dataclass(frozen=True, kw_only=True)
