@@ -29,7 +29,7 @@ step fed, the logged similarity against the reference similarity of the window's
 
 Every property it could not check on this machine gets a row too, ``SKIPPED``, with the reason.
 
-Without a GPU it says so in one line and exits 0. ``tests/test_gpu_check.py`` runs the same code with
+Without a GPU it says so in one line and exits 0. ``tests/distributed/test_gpu_check.py`` runs the same code with
 ``device="cpu"`` (gloo, small sizes), so the GPU paths cannot wait for a GPU to show a typo.
 Exit code: 1 if a correctness check failed (FAIL); performance goals are reported as MET or MISSED (a timing
 that does not finish is MISSED), and SKIPPED rows never fail the run.

@@ -6,7 +6,7 @@ a few private members are read or replaced. They are listed in :data:`PRIVATE_ME
 for and the versions it was checked against; :func:`check` looks every one of them up on the live
 objects when a fit starts, before anything is changed, and names the Lightning to install when one is
 missing. Modules outside :mod:`lightning_simigrad.integration` reach torch's private members only through
-the functions below (``tests/test_compat.py`` scans the sources for it).
+the functions below (``tests/integration/test_compat.py`` scans the sources for it).
 
 Nothing here changes anything at import. Replacements are made on the objects of one fit (loop
 instances, one Trainer, one launcher) and undone after it; see :mod:`lightning_simigrad.integration`.
@@ -58,7 +58,7 @@ PRIVATE_MEMBERS: tuple[Private, ...] = (
     Private("_AutomaticOptimization", "_optimizer_zero_grad", "zero_grad as Lightning does it"),
     Private("_AutomaticOptimization", "_skip_backward", "no zero_grad, no step where Lightning skips the backward"),
     Private("_TrainingEpochLoop", "_should_accumulate", "an epoch without backward accumulates throughout (SWA)"),
-    # step-based settings counted in samples (integration/progress.py)
+    # step-based settings counted in samples (integration/sample_schedules.py)
     Private("_TrainingEpochLoop", "_update_learning_rates", "steps step-interval schedulers per B0 samples"),
     Private("_TrainingEpochLoop", "_should_check_val_fx", "validation after the samples of its interval"),
     Private("_TrainingEpochLoop", "_should_check_val_epoch", "Lightning's own epoch rule, kept"),

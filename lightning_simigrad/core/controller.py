@@ -28,7 +28,7 @@ finite-population form. Both are averaged in units of the *previous* step's mean
   :math:`\\operatorname{tr}\\Sigma / |G|^2` as the memory grows, for every B.
 - A smoothed reference (an EMA of :math:`m`) would lag a shrinking gradient as the raw EMA does. A decay
   counted in samples was not adopted: it lengthens the memory in steps exactly where B is below the noise
-  scale, which is where training needs it to follow a change quickly (``tests/test_controller.py``'s
+  scale, which is where training needs it to follow a change quickly (``tests/core/test_controller.py``'s
   shrinking gradient is such a case).
 
 What remains is the ratio of two finite averages: where a step's :math:`|G|^2` estimate is mostly noise

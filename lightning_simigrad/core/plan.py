@@ -20,7 +20,7 @@ for a global window of ``n`` samples, the number of micro-batches ``k`` and the 
   recipe the last window fell from ~500 samples to ~20, a noisy step the controller then read), nor
   below half the step before it from the tail alone.
 
-Pure Python: tested against hand-worked cases in ``tests/test_plan.py``.
+Pure Python: tested against hand-worked cases in ``tests/core/test_plan.py``.
 """
 
 from __future__ import annotations

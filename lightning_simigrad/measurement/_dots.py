@@ -26,7 +26,7 @@ norm is then within a few float32 ulps (:math:`\epsilon = 2^{-24}`) of exact, an
 :math:`a + b` itself; the cross term recovered by difference is off by about
 :math:`4 \epsilon (|a|^2 + |b|^2)`, so the cosine similarity by about
 :math:`2 \epsilon (|a|^2 + |b|^2) / (|a||b|)`: :math:`\approx 5 \cdot 10^{-7}` for halves of equal norm,
-far below the sampling noise of any similarity (``tests/test_dots.py`` checks it against float64). For
+far below the sampling noise of any similarity (``tests/measurement/test_dots.py`` checks it against float64). For
 bf16/fp16 gradients the sum :math:`a + b` is rounded to the gradient's own precision (as plain
 accumulation rounds it); the squared norm of that rounding, unbiased and summed over many elements,
 stays below :math:`10^{-3}` of the similarity for any gradient of more than a few hundred elements.
