@@ -7,7 +7,8 @@
     python benchmarks/soak.py --steps 20000 --fixed-batch          # SimiGrad measuring, batch held at 192
 
 Two CPU processes (``ddp_spawn``, gloo) train on a stationary problem whose noise scale is known (as in
-``tests/integration/test_equilibrium.py``: sample ``i``'s loss is ``w . v_i`` with ``v_i = G + noise``, B_noise = 25), so at
+``tests/integration/test_equilibrium.py``: sample ``i``'s loss is ``w . v_i`` with ``v_i = G + noise``,
+B_noise = 25), so at
 target similarity 0.8 the batch hovers around B* = 200 and the paper rule moves it (x1.1 or x0.9) at every step,
 in micro-batches of at most 32 per rank. A checkpoint is written every 500 steps
 (as a long job would) and every epoch is 8192 samples, so epochs, data iterators and checkpoints turn over many
