@@ -24,6 +24,7 @@ TESTS=(
     tests/integration/test_spawn_results.py
     tests/integration/test_progress_bar.py
     tests/integration/test_batchnorm_and_swa.py
+    tests/integration/test_batch_size_schedule.py
     tests/recipes/test_recipes_fsdp.py
 )
 LOGS=$(mktemp -d "${TMPDIR:-/tmp}/simigrad-stress.XXXXXX")
