@@ -16,7 +16,10 @@ the :class:`Round` and travels as NaN to :meth:`RankGroupMeasurement.collect`, w
 raises it together -- except an out-of-memory error, which only costs this step's measurement
 (:meth:`Round.skip`): the gradients are untouched, every rank gets NaN statistics, the controller holds
 and training goes on. Only a failed collective (a dead peer, a timeout) fails this rank's backward, and
-only where the backend reports it (gloo; NCCL does not, see ``rank_groups``).
+only where the backend reports it (gloo; NCCL does not, see ``rank_groups``). Then every bucket future of the
+round fails with it at once: after a peer dies, gloo can leave a later collective waiting for the group's
+whole timeout (a message that arrives for a failed collective's freed buffer stalls that peer's connection
+before its end is read), and DDP would wait on that collective's future.
 """
 
 from __future__ import annotations
@@ -91,12 +94,27 @@ class Round:
     failure: tuple[int, BaseException] | None = None
     skipped: tuple[int, BaseException] | None = None  # out of memory: this step goes unmeasured
     void_gradient: bool = False  # a stand-in received into the bucket: the step must not be used
+    broken: BaseException | None = None  # a collective failed: the group is gone, every bucket fails with this
+    waiting: dict[int, torch.futures.Future[Tensor]] = field(default_factory=dict)  # bucket futures not completed
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def fail(self, stage: int, error: BaseException) -> None:
         with self.lock:
             if self.failure is None:  # the first cause is the one worth reading
                 self.failure = (stage, error)
+
+    def claim(self, index: int) -> bool:
+        """Whether bucket ``index``'s future is still for its own collectives to complete (not failed already)."""
+        with self.lock:
+            return self.waiting.pop(index, None) is not None
+
+    def break_off(self, error: BaseException) -> list[torch.futures.Future[Tensor]]:
+        """A collective failed: the futures DDP still waits on, which the caller fails with the first error."""
+        with self.lock:
+            if self.broken is None:
+                self.broken = error
+            futures, self.waiting = list(self.waiting.values()), {}
+        return futures
 
     def fail_or_skip(self, stage: int, error: BaseException) -> None:
         """An out-of-memory error skips the measurement (the gradients are intact); anything else fails it."""
@@ -142,6 +160,10 @@ class BucketHook:
     def measure(self, round: Round, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
         """A bucket of a measured backward: the same collectives on every rank, whatever fails here."""
         buffer, index = bucket.buffer(), bucket.index()
+        if round.broken is not None:  # the group is gone: this bucket's collectives could only wait or fail
+            failed: torch.futures.Future[Tensor] = torch.futures.Future()
+            failed.set_exception(round.broken)  # type: ignore[arg-type]
+            return failed.then(_unwrap)
         # DDP's reducer multiplies by 1/W before summing; doing the same keeps the gradients bitwise
         # equal to plain DDP (dividing after the sum would round differently at odd W).
         buffer.mul_(1.0 / self.layout.world_size)
@@ -249,10 +271,10 @@ class BucketHook:
     ) -> torch.futures.Future[Tensor]:
         """The future DDP waits on: done when the collectives and this bucket's arithmetic are.
 
-        ``collect_all``'s future carries no device, so its callback would run on whatever stream is
-        current (the hook's, under NCCL, where futures complete at issue): the callback below therefore
-        switches to the measurement stream itself before waiting on the collectives, and sets the result
-        there, so that DDP's wait orders the gradient after the arithmetic that reads the bucket.
+        The collectives' callbacks may run on whatever stream is current (the hook's, under NCCL, where
+        futures complete at issue): the last one therefore switches to the measurement stream itself before
+        waiting on the collectives, and sets the result there, so that DDP's wait orders the gradient after
+        the arithmetic that reads the bucket. A failed collective fails the round's futures at once (above).
 
         Under NCCL it also waits on the collectives' ``Work`` objects: NCCL keeps a collective's tensors
         stashed (instead of ``record_stream``) until its watchdog sees it end, and ``Work.wait()`` orders the
@@ -266,29 +288,51 @@ class BucketHook:
         )
         stream = self._stream(buffer.device) if cuda else None
 
-        def done(_: Any) -> None:
+        def done() -> None:
             try:
                 with _current(stream):
                     for future in futures:
-                        future.wait()  # re-raises a failed collective (gloo); on CUDA: this stream waits for it
+                        future.wait()  # on CUDA: this stream waits for the collective
                     if nccl:
                         for work in works:  # lets go of NCCL's stash (see above); the stream order is the same
                             work.wait()
                     if job is not None:
                         self._finish_into(round, index, job, buffer, stream)
                         job.release()  # the products are taken: the copies and receive buffers can go
-                    result.set_result(buffer)
-            except Exception as error:  # a collective failed: that must fail backward, on every rank
-                wrapped = RuntimeError(
-                    f"A collective of SimiGrad's DDP measurement failed ({type(error).__name__}: {error}). A rank "
-                    "died or the process group timed out; see the first failing rank's log."
-                )
-                wrapped.__cause__ = error
-                result.set_exception(wrapped)  # type: ignore[arg-type]
+                    if round.claim(index):  # on this stream: DDP's wait orders the gradient after the products
+                        result.set_result(buffer)
+            except Exception as error:
+                fail(error)
+
+        def fail(error: BaseException) -> None:
+            """A collective failed: that must fail backward, on every rank, and at once."""
+            wrapped = RuntimeError(
+                f"A collective of SimiGrad's DDP measurement failed ({type(error).__name__}: {error}). A rank "
+                "died or the process group timed out; see the first failing rank's log."
+            )
+            wrapped.__cause__ = error
+            for future in round.break_off(wrapped):  # this bucket's among them, unless an earlier failure took it
+                future.set_exception(wrapped)  # type: ignore[arg-type]
+
+        def arrived(future: torch.futures.Future[Any]) -> None:
+            try:
+                future.value()  # re-raises a failed collective (gloo); synchronises nothing
+            except Exception as error:
+                fail(error)  # now, not once the bucket's other collective ends: that one may never
+                return
+            with round.lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                done()
 
         futures = [work.get_future() for work in works]
+        left = [len(futures)]
         nccl = self._in_order(buffer)
-        torch.futures.collect_all(futures).add_done_callback(done)
+        with round.lock:
+            round.waiting[index] = result
+        for future in futures:
+            future.add_done_callback(arrived)
         return result.then(_unwrap)
 
     def _finish_into(self, round: Round, index: int, job: _Job, buffer: Tensor, stream: Any) -> None:
