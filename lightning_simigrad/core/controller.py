@@ -35,6 +35,11 @@ What remains is the ratio of two finite averages: where a step's :math:`|G|^2` e
 (B well below :math:`B_{noise}`, the noise spread over few directions) the logged value scatters and its
 mean runs high; a larger ``noise_scale_decay`` is the remedy, at the cost of following training more slowly.
 
+The noise-scale rule acts on :math:`B^*` only once the averaged :math:`|G|^2` stands ``RESOLVED_Z`` standard errors
+above zero (:attr:`BatchSizeController.noise_scale_resolved`); before that its ratio can read anything up to
+:math:`N` and beyond, where :math:`B^*` diverges, and a jump there (with the LR scaled to match) threw digits runs
+off course (docs/measurement.md). Meanwhile it steps as the paper rule does.
+
 Both clamp to ``[min_batch_size, max_batch_size]``, hold still during ``warmup_steps`` and inside a
 ``deadband`` around the target, and ignore non-finite measurements (a mixed-precision overflow).
 """
@@ -50,6 +55,7 @@ from lightning_simigrad.core.statistics import HalfStats, equilibrium_batch_size
 __all__ = ["BatchSizeController", "RULES"]
 
 RULES = ("paper", "noise_scale")
+RESOLVED_Z = 3.0  # standard errors the averaged |G|^2 must stand above 0 before the noise-scale rule acts on it
 
 
 class _Ema:
@@ -67,6 +73,13 @@ class _Ema:
     @property
     def value(self) -> float:
         return self.biased / self.weight if self.weight > 0 else math.nan
+
+    @property
+    def effective_count(self) -> float:
+        """How many equally weighted values the average is worth: ``(sum w)^2 / sum w^2`` over its weights
+        ``w_i = (1 - d) d^(t - i)``, from the total weight ``W = 1 - d^t`` alone; 1 after one value."""
+        d, w = self.decay, self.weight
+        return (1.0 + d) * w / ((1.0 - d) * (2.0 - w)) if w > 0 else 0.0
 
 
 class BatchSizeController:
@@ -151,6 +164,7 @@ class BatchSizeController:
         self._similarity = _Ema(smoothing)
         # |G|^2 and tr(Sigma), each step's in units of the step before's mean |g_half|^2 (see the module docstring)
         self._grad_sq = _Ema(noise_scale_decay)
+        self._grad_sq_square = _Ema(noise_scale_decay)  # of the squares, for the spread of the |G|^2 estimates
         self._trace_sigma = _Ema(noise_scale_decay)
         self._reference = 0.0  # the last measured step's mean |g_half|^2 (0: none yet)
         self.population = math.inf  # the N of the last measured step's epoch
@@ -179,12 +193,18 @@ class BatchSizeController:
         self._reference = size
         grad_sq, trace_sigma = stats.estimates(population)
         self._grad_sq.update(grad_sq / reference)
+        self._grad_sq_square.update((grad_sq / reference) ** 2)
         self._trace_sigma.update(trace_sigma / reference)
         if not adjust or self.measured_steps <= self.warmup_steps:
             return self.batch_size
         if abs(self.similarity - self.target_similarity) <= self.deadband:
             return self.batch_size
         if self.rule == "paper":
+            factor = self.grow_factor if self.similarity < self.target_similarity else self.shrink_factor
+            self._size = self._clamp(self._size * factor)
+        elif not self.noise_scale_resolved:
+            # |G|^2 not told from its noise: B_noise, and B* above all near N, could be anything; a jump to it
+            # (with the LR scaled to match) threw digits runs off course. Step as the paper rule does instead.
             factor = self.grow_factor if self.similarity < self.target_similarity else self.shrink_factor
             self._size = self._clamp(self._size * factor)
         else:
@@ -220,6 +240,21 @@ class BatchSizeController:
         grad_sq = self._grad_sq.value
         return self._trace_sigma.value / grad_sq if grad_sq > 0 else math.nan
 
+    @property
+    def noise_scale_resolved(self) -> bool:
+        """Whether the averaged :math:`|G|^2` estimate stands ``RESOLVED_Z`` standard errors above 0 (its spread over
+        the averaged steps, taken as independent), so the noise scale is worth acting on; always with no memory
+        (``noise_scale_decay=0``), where a single step gives no spread to judge by."""
+        ema = self._grad_sq
+        if ema.decay == 0.0:
+            return ema.value > 0
+        # the squares' average may be younger (a checkpoint written before it was kept): count what both have seen
+        count, mean = min(ema.effective_count, self._grad_sq_square.effective_count), ema.value
+        if not count > 1.0 + 1e-9 or not mean > 0:
+            return False
+        spread = max(self._grad_sq_square.value - mean * mean, 0.0) * count / (count - 1.0)  # unbiased
+        return mean > RESOLVED_Z * math.sqrt(spread / count)
+
     # ----------------------------------------------------------------------------------- state
     STATE_FIELDS: ClassVar[dict[str, Field]] = {
         "size": POSITIVE_NUMBER,
@@ -228,6 +263,7 @@ class BatchSizeController:
         "referenced_grad_sq_ema": EMA,
         "referenced_trace_sigma_ema": EMA,
         "reference": NON_NEGATIVE_NUMBER,
+        "referenced_grad_sq_square_ema": EMA,
     }
     # what earlier writers saved instead of the noise scale's averages (checked, then not read): the averages in units
     # of each step's own gradient size, and before them the raw averages
@@ -239,8 +275,10 @@ class BatchSizeController:
     @classmethod
     def state_fields(cls, state: dict[str, Any]) -> dict[str, Field]:
         """The fields ``state`` must have: this version's, or an earlier writer's noise-scale averages instead."""
-        noise = ("referenced_grad_sq_ema", "referenced_trace_sigma_ema", "reference")
+        noise = ("referenced_grad_sq_ema", "referenced_trace_sigma_ema", "reference", "referenced_grad_sq_square_ema")
         if any(name in state for name in noise):
+            if "referenced_grad_sq_square_ema" not in state:  # written before the spread was kept: it starts afresh
+                return {name: field for name, field in cls.STATE_FIELDS.items() if name != noise[-1]}
             return dict(cls.STATE_FIELDS)
         for former in cls.FORMER_NOISE_FIELDS:
             if any(name in state for name in former):
@@ -258,6 +296,7 @@ class BatchSizeController:
             "referenced_grad_sq_ema": [self._grad_sq.biased, self._grad_sq.weight],
             "referenced_trace_sigma_ema": [self._trace_sigma.biased, self._trace_sigma.weight],
             "reference": self._reference,
+            "referenced_grad_sq_square_ema": [self._grad_sq_square.biased, self._grad_sq_square.weight],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -267,6 +306,7 @@ class BatchSizeController:
             ("similarity_ema", self._similarity),
             ("referenced_grad_sq_ema", self._grad_sq),
             ("referenced_trace_sigma_ema", self._trace_sigma),
+            ("referenced_grad_sq_square_ema", self._grad_sq_square),
         ):
             if key in state:
                 ema.biased, ema.weight = (float(v) for v in state[key])

@@ -235,6 +235,24 @@ def test_digits_ramp_follows_a_linear_ramp_from_b0(tmp_path: Path) -> None:
     assert isinstance(cause, RecipeError) and "simigrad.kind='cubic': one of linear, doubling" in str(cause)
 
 
+@pytest.mark.slow
+def test_digits_noise_scale_rule_holds_its_course(tmp_path: Path) -> None:
+    # The efficiency study's run (docs/evidence.md) that collapsed: at seed 2 the averaged |G|^2 estimate crossed
+    # zero, B_noise read as 1,000-1,600 (near the epoch's 1,437), and the rule jumped from 25 to 719 (x29, the LR
+    # x45 with it); the kick left the batch at 16 for ~60 steps, 180 steps in all.
+    cfg = compose_cfg([
+        "experiment=digits", "simigrad=noise_scale", "simigrad.target_similarity=0.3", "seed=2",
+        "simigrad.max_samples=17244", "trainer.max_epochs=12", "num_threads=1", "logger=none",
+        "trainer.enable_progress_bar=false", "trainer.enable_checkpointing=false", f"output_dir={tmp_path}",
+    ])  # fmt: skip
+    with open(train(cfg)["trace_csv"]) as f:
+        sizes = [int(float(row["batch_size"])) for row in csv.DictReader(f)]
+    assert max(b / a for a, b in zip(sizes, sizes[1:])) < 4, sizes
+    grown = next(i for i, size in enumerate(sizes) if size >= 64)
+    held = max(len(run) for run in "".join("m" if s == 16 else " " for s in sizes[grown:]).split(" "))
+    assert held < 10, sizes  # once grown, never held at the minimum
+
+
 # ---- W&B offline
 def wandb_records(path: Path) -> list[Any]:
     """Protobuf records of a ``.wandb`` run file: LevelDB-log framing (32 KiB blocks, 7-byte chunk headers)."""

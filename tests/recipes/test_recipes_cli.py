@@ -51,6 +51,7 @@ def test_help_lists_the_groups_and_the_shipped_experiments(tmp_path: Path) -> No
     assert {"experiment", "data", "model", "optimizer", "scheduler", "simigrad", "trainer", "logger", "debug"} <= set(
         groups
     )
+
     def shipped(group: str) -> set[str]:
         return {p.name.removesuffix(".yaml") for p in resources.files(CONFIG_MODULE).joinpath(group).iterdir()}
 

@@ -47,8 +47,10 @@ def test_the_state_in_a_checkpoint_is_this_structure(tmp_path):
         "referenced_grad_sq_ema",
         "referenced_trace_sigma_ema",
         "reference",
+        "referenced_grad_sq_square_ema",
     ]
-    assert all(len(state["controller"][k]) == 2 for k in list(state["controller"])[2:5])  # an EMA: [biased, weight]
+    emas = ("similarity_ema", "referenced_grad_sq_ema", "referenced_trace_sigma_ema", "referenced_grad_sq_square_ema")
+    assert all(len(state["controller"][k]) == 2 for k in emas)  # an EMA: [biased, weight]
     assert state["controller"]["reference"] > 0  # the last step's mean |g_half|^2
     # the one step-interval scheduler's steps: at least the first epoch's 13 B0-steps
     assert list(state["progress"]) == ["scheduler_steps"] and len(state["progress"]["scheduler_steps"]) == 1

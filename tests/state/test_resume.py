@@ -256,7 +256,7 @@ def older_noise_averages(prefix):
 
     def edit(callbacks):
         controller = callbacks["SimiGrad"]["controller"]
-        del controller["reference"]
+        del controller["reference"], controller["referenced_grad_sq_square_ema"]
         for name in ("grad_sq_ema", "trace_sigma_ema"):
             controller[f"{prefix}{name}"] = controller.pop(f"referenced_{name}")
 
