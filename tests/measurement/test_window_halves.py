@@ -135,7 +135,9 @@ def backward_windows(measurement, fresh: bool, windows: int = 4) -> list[tuple]:
                 second_half = [p.grad.data_ptr() for p in params]
             fed[j >= w.half_split()] += n
             measurement.after_backward(w, j, (fed[0], fed[1]), params)
-        first_half = [kept.data_ptr() for _, kept in measurement.halves._joined]
+        # the first half's buffers themselves: held here, so that memory freed by a dropped spare cannot come back
+        # to a fresh gradient at the same address and pass for the spare
+        first_half = [kept for _, kept in measurement.halves._joined]
         stats = measurement.collect(None)
         out.append(([p.grad.clone() for p in params], stats, second_half, first_half))
     return out
@@ -155,6 +157,6 @@ def test_after_the_first_window_the_second_half_allocates_no_gradient():
     windows = backward_windows(window_halves(), fresh=False)
     for previous, current in zip(windows, windows[1:]):
         # the second half accumulated into the buffers the previous window's first half let go
-        assert current[2] == previous[3]
+        assert current[2] == [kept.data_ptr() for kept in previous[3]]
     fresh = backward_windows(window_halves(), fresh=True)
-    assert not set(fresh[1][2]) & set(fresh[0][3])  # without the spare, fresh buffers
+    assert not set(fresh[1][2]) & {kept.data_ptr() for kept in fresh[0][3]}  # without the spare, fresh buffers
