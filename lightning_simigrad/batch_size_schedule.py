@@ -37,7 +37,7 @@ class BatchSizeSchedule(SimiGrad):
         **arguments: :class:`~lightning_simigrad.SimiGrad`'s arguments that apply to any batch: ``min_batch_size``,
             ``max_batch_size`` (the schedule is refused if it leaves them at its first size or at a step of a dict),
             ``max_micro_batch_size``, ``lr_scaling``, ``lr_scaling_blend``, ``schedule_by_samples``,
-            ``max_samples``, ``progress_bar``, ``history_size``.
+            ``max_samples``, ``progress_bar``, ``history_size``, ``loss_items``.
 
     Raises:
         ValueError: at construction, for a schedule that is not a function or a dict, gives a size that is not a

@@ -51,6 +51,11 @@ class SimiGrad(Readings):
         progress_bar: show the batch size, similarity and noise scale in the progress bar's postfix.
         history_size: how many of the latest steps :attr:`history` keeps (None: every step of the fit, 0: none).
             Loggers and ``trainer.callback_metrics`` receive every step whatever it is.
+        loss_items: ``loss_items(batch)``, a micro-batch's number of loss items (labelled tokens, e.g.
+            ``lambda b: (b["labels"] != -100).sum()``), for a ``training_step`` that returns the mean loss over them:
+            every item of a step then weighs exactly 1 / (the step's items, all ranks), the halves are item means,
+            and the batch still counts samples (see :mod:`lightning_simigrad.loss_items`). Under ``ddp_spawn`` it
+            must be picklable (a module-level function).
         adjust: ``False`` measures and logs but never changes the batch (the paper's ``enable_adjust``).
         controller: ``"paper"`` (x ``grow_factor`` below target, x ``shrink_factor`` above) or
             ``"noise_scale"`` (jump to :math:`B^*` from the smoothed measured noise scale).
@@ -131,7 +136,7 @@ class SimiGrad(Readings):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self._fit().train_batch_start(trainer, pl_module)
+        self._fit().train_batch_start(trainer, pl_module, batch)
 
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

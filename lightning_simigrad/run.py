@@ -40,6 +40,7 @@ from lightning_simigrad.core.sample_counts import Data, FitBounds, Limits
 from lightning_simigrad.core.settings import Settings
 from lightning_simigrad.core.statistics import HalfStats
 from lightning_simigrad.data.schedule import ResumePoint, WindowSchedule
+from lightning_simigrad.loss_items import LossItems
 from lightning_simigrad.measurement.protocol import LossScale, Measurement
 from lightning_simigrad.state.resume import (
     Restart,
@@ -64,7 +65,7 @@ class MicroBatch:
     window: Window
     index: int
     local_samples: int  # this rank's samples (0: a zero-weight padding sample)
-    loss_divisor: float  # N / (W n): each sample of the window weighs exactly 1 / N
+    loss_divisor: float  # N / (W n): each sample of the window weighs exactly 1 / N (N / (W t) for t loss items)
     lr_factor: float
     reduces: bool = False  # its backward reduces the gradient across ranks though the window goes on
 
@@ -160,6 +161,8 @@ class Run:
         self.fed_weight = 0  # their weight
         self.lr_factor = 1.0
         self.window_rng: dict[str, Any] | None = None  # the generator states as the current window started
+        # with `loss_items`: every loss item of a step weighs 1 / (the step's items); else every sample 1 / N
+        self.items = LossItems(settings.loss_items, world_size) if settings.loss_items is not None else None
         self.resumption = restore(self, restart, warn, info) if restart is not None else Resumption()
         self.bounds.validation_interval()  # refuses an interval validation would never reach, before training
 
@@ -192,8 +195,9 @@ class Run:
         resumed = resume is not None and resume.epoch == self.epoch()
         self.counts.start_epoch(resume.samples_done if resume is not None and resumed else 0)
 
-    def start_micro_batch(self, params: Sequence[Tensor]) -> MicroBatch:
-        """The next micro-batch the training loop runs: which window and slot the data path planned it for."""
+    def start_micro_batch(self, params: Sequence[Tensor], batch: Any = None) -> MicroBatch:
+        """The next micro-batch the training loop runs: which window and slot the data path planned it for
+        (``batch``: what it trains on, for ``loss_items`` to count)."""
         self.resumption.at_first_batch()
         window, micro = self.schedule.current.next_micro_batch()
         self.window, self.micro = window, micro
@@ -203,7 +207,8 @@ class Run:
         self.measurement.start_micro_batch(window, micro, params)
         local = window.sizes[micro][self.rank]
         self.lr_factor = self.factor_for(window.weight)
-        divisor = window.total / (self.world_size * local) if local else math.inf
+        weight = local if self.items is None else self.items.start(batch, micro, local)  # samples or loss items
+        divisor = window.total / (self.world_size * weight) if weight else math.inf
         reduces = self.measurement.midpoint_reduction and micro == window.half_split() - 1
         return MicroBatch(window, micro, local, divisor, self.lr_factor, reduces)
 
@@ -214,6 +219,8 @@ class Run:
             return
         self.fed[self.micro >= window.half_split()] += sum(window.sizes[self.micro])
         self.fed_weight += window.micro_weight(self.micro)
+        if self.items is not None:
+            self.items.after_backward(self.measurement.half_of(window, self.micro))
         self.measurement.after_backward(window, self.micro, (self.fed[0], self.fed[1]), params)
 
     def finish_step(self, params: Sequence[Tensor], loss_scale: LossScale) -> Step:
@@ -223,9 +230,12 @@ class Run:
             raise RuntimeError("`finish_step` before any micro-batch of the window started")
         stats = self.measurement.collect(loss_scale)  # the halves
         fed = sum(self.fed)
-        if 0 < fed < window.total:
+        if self.items is not None:  # the mean over the items fed (see lightning_simigrad.loss_items)
+            stats = self.items.finish(params, window.total, stats)
+        elif 0 < fed < window.total:
             # micro-batches were skipped (`training_step` returned None): a mean over what was fed
             _compat.foreach_mul_([p.grad for p in params if p.grad is not None], window.total / fed)
+        if 0 < fed < window.total:
             self.lr_factor = self.factor_for(self.fed_weight)
         if stats is not None:  # decide
             population = self.bounds.population()

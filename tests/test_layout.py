@@ -16,7 +16,8 @@ MAY_IMPORT = {
     "measurement": {"core", "measurement", "_compat"},
     "data": {"core", "data", "_compat"},
     "state": {"core", "data", "state"},
-    "run": {"core", "measurement", "data", "state", "run", "_compat"},
+    "loss_items": {"core", "_compat"},
+    "run": {"core", "measurement", "data", "state", "loss_items", "run", "_compat"},
 }
 
 

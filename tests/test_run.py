@@ -37,6 +37,9 @@ class Scripted:
     def after_backward(self, window, index, fed, params):
         self.calls.append(("backward", index, fed))
 
+    def half_of(self, window, index):
+        return int(index >= window.half_split())
+
     def collect(self, loss_scale):
         self.calls.append(("collect", loss_scale))
         return self.stats.pop(0)

@@ -15,6 +15,7 @@ ValueError: `lr_scaling` must be one of ('sqrt', 'linear', 'none'), got 'cubic'.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +40,8 @@ class BatchSettings:
     max_samples: int | None = None  # end the fit after exactly this many samples
     progress_bar: bool = True  # the batch, similarity and noise scale in the progress bar's postfix
     history_size: int | None = 10_000  # steps `history` keeps (None: all, 0: none)
+    # batch -> its number of loss items (labelled tokens): every item of a step then weighs 1 / (the step's items)
+    loss_items: Callable[[Any], Any] | None = None
 
     def __post_init__(self) -> None:
         if self.lr_scaling not in LR_SCALINGS:
@@ -50,6 +53,11 @@ class BatchSettings:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise ValueError(f"`{name}` must be a positive int or None, got {value!r}.")
+        if self.loss_items is not None and not callable(self.loss_items):
+            raise ValueError(
+                f"`loss_items` must be a function of a micro-batch returning its number of loss items, got"
+                f" {self.loss_items!r}. For example `loss_items=lambda batch: (batch['labels'] != -100).sum()`."
+            )
         size = self.history_size
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 0):
             raise ValueError(

@@ -191,9 +191,9 @@ class FitSession:
         self.run.start_epoch()
         self.epoch_length.start_epoch(trainer, self.run)
 
-    def train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any = None) -> None:
         run = self.run
-        micro = run.start_micro_batch(list(pl_module.parameters()))
+        micro = run.start_micro_batch(list(pl_module.parameters()), batch)
         if micro.first:
             self.schedules.start_window(micro.window.weight)
         self.epoch_length.update(trainer, run.schedule.current)

@@ -72,6 +72,9 @@ class Halves(Protocol):
 
     def after_backward(self, window: Window, index: int, fed: tuple[int, int], params: Sequence[Tensor]) -> None: ...
 
+    def half_of(self, window: Window, index: int) -> int:
+        """Which half this rank's micro-batch ``index`` feeds (0: A, 1: B)."""
+
     def finish(self) -> Finished | None:
         """The window's products on this rank; None when no rank measures this window (nothing is exchanged)."""
 
@@ -120,6 +123,9 @@ class ComposedMeasurement:
 
     def after_backward(self, window: Window, index: int, fed: tuple[int, int], params: Sequence[Tensor]) -> None:
         self._guarded(Stage.COMBINE, self.halves.after_backward, window, index, fed, params)
+
+    def half_of(self, window: Window, index: int) -> int:
+        return self.halves.half_of(window, index)
 
     def collect(self, loss_scale: LossScale = None) -> HalfStats | None:
         failure, self._failure = self._failure, None

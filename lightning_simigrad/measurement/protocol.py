@@ -84,6 +84,9 @@ class Measurement(Protocol):
     def after_backward(self, window: Window, index: int, fed: tuple[int, int], params: Sequence[Tensor]) -> None:
         """Micro-batch ``index`` has run its backward; ``fed`` counts the samples each half has fed so far."""
 
+    def half_of(self, window: Window, index: int) -> int:
+        """Which half this rank's micro-batch ``index`` of ``window`` feeds: 0 (A) or 1 (B)."""
+
     def collect(self, loss_scale: LossScale) -> HalfStats | None:
         """The window's statistics (None: nothing measured), the gradients left as plain training leaves them."""
 

@@ -185,6 +185,9 @@ class RankGroups:
             raise ValueError(f"`rank` must lie in [0, {self.world_size}), got {rank}.")
         return 0 if rank < self._layout.size_a else 1
 
+    def half_of(self, window: Window, index: int) -> int:
+        return self.group_of(self.rank)
+
     def attach(self, target: Attachment) -> None:
         self.register(target.model)
 

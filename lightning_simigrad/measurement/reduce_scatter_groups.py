@@ -107,6 +107,9 @@ class ReduceScatterGroups:
             _RELAYS[root] = relay
         relay.target = self
 
+    def half_of(self, window: Window, index: int) -> int:
+        return int(self._rank >= self._half)  # group A: the first W / 2 ranks
+
     def start_micro_batch(self, window: Window, index: int, params: Sequence[Tensor]) -> None:
         if index == 0:
             self.abort()  # a window the loop abandoned: nothing of it is reported

@@ -272,6 +272,10 @@ class TimeHalves:
             self.restore()
             self._first = self.aside.set_aside(self.pieces, params)
 
+    @staticmethod
+    def half_of(window: Window, index: int) -> int:
+        return int(index >= window.half_split())
+
     def after_backward(self, window: Window, index: int, fed: tuple[int, int], params: Sequence[Tensor]) -> None:
         if index == window.num_micro_batches - 1 and self._first:
             # the window's last backward, before a GradScaler unscales and checks the gradient: both halves are

@@ -80,6 +80,11 @@ class MaskedLM(pl.LightningModule):
         fully_shard(self, mesh=mesh)
         self.fully_sharded = True
 
+    @staticmethod
+    def loss_items(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """SimiGrad's ``loss_items``: a micro-batch's masked tokens, over which its loss is the mean."""
+        return (batch["labels"] != -100).sum()
+
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None = None) -> Any:
         """The logits at the masked positions and their target tokens."""
         hidden = self.bert.bert(input_ids=input_ids, attention_mask=attention_mask)[0]
