@@ -25,6 +25,7 @@ TESTS=(
     tests/integration/test_progress_bar.py
     tests/integration/test_batchnorm_and_swa.py
     tests/integration/test_batch_size_schedule.py
+    tests/integration/test_stream_packages.py
     tests/recipes/test_recipes_fsdp.py
 )
 LOGS=$(mktemp -d "${TMPDIR:-/tmp}/simigrad-stress.XXXXXX")

@@ -83,6 +83,11 @@ class EpochPlan:
         return self._micro >= 0 and not self._committed
 
     @property
+    def first_pending(self) -> int:
+        """The index among the epoch's windows of the first one no optimizer step has averaged."""
+        return self._dropped + (1 if self._micro >= 0 and self._committed else 0)
+
+    @property
     def pending(self) -> list[int]:
         """Batch sizes of the planned windows no optimizer step has averaged yet, in order."""
         requests = list(self.requests)

@@ -24,7 +24,7 @@ from lightning_simigrad.integration.session import Carried, FitSession, Resume
 from lightning_simigrad.integration.spawn_results import Origin
 from lightning_simigrad.run import Run
 from lightning_simigrad.state.checkpoint import compose, validate_state
-from lightning_simigrad.state.rng import all_ranks_rng_states
+from lightning_simigrad.state.gather import every_rank
 
 __all__ = ["Readings"]
 
@@ -123,7 +123,10 @@ class Readings(Callback):
         run = self.run
         if state and run is not None:
             # every rank's: a collective, on all ranks as Lightning's own saving is (it ends in a barrier)
-            state["rng"] = all_ranks_rng_states(run.generators_to_save())
+            state["rng"] = every_rank(run.generators_to_save())
+            stream = self._session.stream if self._session is not None else None
+            if stream is not None and stream.stateful:  # where each rank's stream resumes
+                state["stream"] = every_rank(stream.loader_state())
 
     @override
     def on_load_checkpoint(

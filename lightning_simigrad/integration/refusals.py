@@ -76,20 +76,17 @@ def check_dataloader(loader: Any) -> None:
             f"SimiGrad needs the training data as one `torch.utils.data.DataLoader`, got `{type(loader).__name__}`."
             " Return a single DataLoader from `train_dataloader`."
         )
-    if isinstance(loader.dataset, IterableDataset):
-        raise RuntimeError(
-            f"SimiGrad plans every step's samples, which needs a sized map-style dataset; the training DataLoader"
-            f" reads an IterableDataset (`{type(loader.dataset).__name__}`). Use a map-style Dataset."
-        )
-    try:
-        len(loader.dataset)  # type: ignore[arg-type]
-    except TypeError:
-        raise RuntimeError(
-            f"SimiGrad needs the training dataset's length; `{type(loader.dataset).__name__}` has no `__len__`."
-            " Implement `__len__`."
-        ) from None
     if loader.batch_size is None:
         raise RuntimeError(
             "SimiGrad sizes micro-batches itself from the DataLoader's `batch_size`; this DataLoader has"
             " `batch_size=None` (a custom batch sampler or no batching). Pass `batch_size=` and no `batch_sampler`."
         )
+    if isinstance(loader.dataset, IterableDataset):
+        return  # a stream: re-batched as it arrives (lightning_simigrad.integration.streams)
+    try:
+        len(loader.dataset)  # type: ignore[arg-type]
+    except TypeError:
+        raise RuntimeError(
+            f"SimiGrad needs a map-style training dataset's length; `{type(loader.dataset).__name__}` has no"
+            " `__len__`. Implement `__len__`, or make it an `IterableDataset` (a stream)."
+        ) from None

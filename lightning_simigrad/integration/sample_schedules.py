@@ -20,13 +20,14 @@ a fit, and restores them after:
   length does not have: it would find the restored ``is_last_batch`` and skip the whole next epoch.
 
 For the length of a fit it also makes that Trainer's ``estimated_stepping_batches`` the fit's length in
-B0-steps: the Trainer object is given a subclass of its own class, made once per class, whose property asks
-the attached :class:`SampleSchedules`; its class is given back after the fit. Lightning's classes and every
-other Trainer are left as they are.
+B0-steps (refused, with the fix, for a stream that nothing bounds): the Trainer object is given a subclass of
+its own class, made once per class, whose property asks the attached :class:`SampleSchedules`; its class is
+given back after the fit. Lightning's classes and every other Trainer are left as they are.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import lightning.pytorch as pl
@@ -105,7 +106,18 @@ class SampleSchedules:
         assert trainer is not None
         if trainer.train_dataloader is None:
             trainer.fit_loop.setup_data()  # as Lightning's own property does
-        return self.run.bounds.fit_length().stepping_batches if self.run is not None else None
+        if self.run is None:
+            return None
+        length = self.run.bounds.fit_length()
+        if length.epoch_samples is None and math.isinf(length.stepping_batches):
+            # Lightning answers `max_steps` here, -1, which a scheduler takes for a length
+            raise RuntimeError(
+                "`trainer.estimated_stepping_batches` was asked for (a learning-rate schedule's length, usually), but"
+                " the training data is a stream, whose length is unknown, and neither `max_steps` nor SimiGrad's"
+                f" `max_samples` bounds the fit (max_epochs={length.max_epochs}). Set `Trainer(max_steps=...)` (steps"
+                " of B0 samples) or `SimiGrad(max_samples=...)`, or give the schedule its length yourself."
+            )
+        return length.stepping_batches
 
     def steps_done(self) -> int:
         """B0-steps of progress after the last optimizer step."""

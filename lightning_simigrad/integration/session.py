@@ -22,7 +22,8 @@ from torch.utils.data import DataLoader
 
 from lightning_simigrad import _compat
 from lightning_simigrad.core.settings import Settings
-from lightning_simigrad.integration import neighbours, refusals, trainer_facts
+from lightning_simigrad.data.stream import StreamWindows
+from lightning_simigrad.integration import neighbours, refusals, streams, trainer_facts
 from lightning_simigrad.integration.accumulation import VariableAccumulation
 from lightning_simigrad.integration.data_source import AdaptiveDataSource, adaptive_loader
 from lightning_simigrad.integration.epoch_length import EpochLength
@@ -89,6 +90,7 @@ class FitSession:
         before = neighbours.batch_size_before_tuning(trainer, pl_module) if tuning else None
         self.tuned_from = before if before is not None else carried.tuned_from
         self.resume: Resume | None = None  # set when Lightning restores a checkpoint, before the data loads
+        self.stream: StreamWindows | None = None  # the training data, when it is a stream
         self._run = carried.run
         if self._run is not None:  # continues on this fit's model, counting its epochs
             self._run.follow(
@@ -130,17 +132,26 @@ class FitSession:
         if self.phase is Phase.TUNING:
             return loader
         trainer = self.trainer
-        order = trainer_facts.training_order(trainer, loader)
-        data = trainer_facts.data_of(loader, order)
+        stream = streams.is_stream(loader)
+        order = None if stream else trainer_facts.training_order(trainer, loader)
+        if stream:
+            data = streams.stream_data(loader, self.settings.max_micro_batch_size)
+        else:
+            data = trainer_facts.data_of(loader, order)
         limits = trainer_facts.limits_of(trainer, self.schedules.setting)
         if self._run is None:
-            self._run = self._start_run(loader, order, data, limits)
+            self._run = self._start_run(loader, data, limits)
             self.schedules.start(self._run)
         run = self._run
         run.reload(data, limits)  # as Lightning loads it this time (a reloaded DataLoader, a later fit's Trainer)
+        if stream:
+            state = self.resume.state if self.resume is not None else None
+            self.stream = streams.stream_windows(trainer, loader, run, state)
+            return self.stream
+        self.stream = None
         return adaptive_loader(loader, order, run.schedule, run.bounds.epoch_samples(), run.rank)
 
-    def _start_run(self, loader: DataLoader, order: Any, data: Any, limits: Any) -> Run:
+    def _start_run(self, loader: DataLoader, data: Any, limits: Any) -> Run:
         """The fit's run, made when its training data first arrives, measuring as the strategy trains.
 
         B0 is the checkpoint's, or the one given, or the DataLoader's batch (before a ``BatchSizeFinder`` tuned it) x
@@ -189,14 +200,16 @@ class FitSession:
 
     def train_epoch_start(self, trainer: pl.Trainer) -> None:
         self.run.start_epoch()
-        self.epoch_length.start_epoch(trainer, self.run)
+        if self.stream is None:  # a stream's epoch has no length: Lightning's bars count without a total
+            self.epoch_length.start_epoch(trainer, self.run)
 
     def train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any = None) -> None:
         run = self.run
         micro = run.start_micro_batch(list(pl_module.parameters()), batch)
         if micro.first:
             self.schedules.start_window(micro.window.weight)
-        self.epoch_length.update(trainer, run.schedule.current)
+        if self.stream is None:
+            self.epoch_length.update(trainer, run.schedule.current)
         self.accumulation.set_micro_batch(
             micro.first, micro.last, micro.loss_divisor, micro.window.num_micro_batches, micro.reduces
         )

@@ -15,6 +15,8 @@ compose theirs):
 - ``progress``: the step-interval schedulers' steps counted in samples
   (:class:`~lightning_simigrad.core.counts.SchedulerSteps`);
 - ``rng``: every rank's random generator states, optional (:mod:`lightning_simigrad.state.rng`);
+- ``stream``: every process's stream loader state before the first window not trained, optional: only for a stream
+  whose loader has ``state_dict`` (:mod:`lightning_simigrad.data.stream`);
 
 plus ``format_version``. ``tests/state/test_checkpoint.py`` spells the structure out. :func:`validate_state` runs
 when Lightning restores the callback, before the first step, and refuses -- with the checkpoint's path, the field,
@@ -107,6 +109,12 @@ def validate_state(state: Any, where: str) -> dict[str, Any]:
         _check(state[key], fields, prefix, f"{key}.")
     if state.get("rng") is not None:
         check_rng(state["rng"], prefix)
+    if state.get("stream") is not None and not isinstance(state["stream"], list):
+        raise ValueError(
+            f"{prefix} has `stream` = a `{type(state['stream']).__name__}`, which must be a list of every process's"
+            " loader state: the file is damaged or was edited. Resume from another checkpoint, or start without"
+            " `ckpt_path`."
+        )
     done, length = state["counts"]["epoch_samples_done"], state["run"]["epoch_length"]
     if length is not None and done > length:
         raise ValueError(

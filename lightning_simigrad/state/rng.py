@@ -7,7 +7,7 @@ states of torch's CPU generator, the current CUDA device's, Python's ``random`` 
 and puts them back where the uninterrupted run would draw next (see :mod:`lightning_simigrad.state.resume`).
 
 States are kept as bytes and plain Python values: compact, loaded by ``torch.load(weights_only=True)``, and
-gathered across ranks by ``all_gather_object`` (which in torch 2.14 cannot carry tensors).
+gathered across ranks by :func:`~lightning_simigrad.state.gather.every_rank`.
 """
 
 from __future__ import annotations
@@ -17,11 +17,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from lightning_simigrad.core.fields import FINITE_NUMBER, NON_NEGATIVE_INT
 
-__all__ = ["all_ranks_rng_states", "check_rng", "rng_state", "set_rng_state"]
+__all__ = ["check_rng", "rng_state", "set_rng_state"]
 
 
 def rng_state() -> dict[str, Any]:
@@ -60,15 +59,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
         kind, keys, position, has_gauss, cached = state["numpy"]
         numpy.random.set_state((kind, numpy.array(keys, dtype=numpy.uint32), position, has_gauss, cached))
-
-
-def all_ranks_rng_states(state: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every rank's ``state``, in rank order (a collective under ``torch.distributed``: call it on all ranks)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return [state]
-    states: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(states, state)
-    return states
 
 
 # ------------------------------------------------------------------------------ checks of a restored checkpoint

@@ -1,7 +1,8 @@
 """`loss_items` across ranks: every step the mean over the labelled tokens of every rank, the halves token means.
 
 DDP at W = 2 and 3 (the halves are rank groups, whose tokens differ), FSDP2 (`fully_shard`, halves in time) and
-FSDP1 (two rank groups inside its reduce-scatter) at W = 2, on gloo, with the language-model-style module of
+FSDP1 (two rank groups inside its reduce-scatter) at W = 2, and over a stream (each rank re-batching its own part)
+under DDP and FSDP2 at W = 2, on gloo, with the language-model-style module of
 tests/support/token_modules.py; every step is audited against the float64 token mean of all ranks' samples.
 """
 
@@ -17,6 +18,7 @@ from lightning_simigrad.testing import StepAudit
 from tests.support.distributed import run_ok
 from tests.support.fsdp_modules import as_external_process, fsdp1, shard, strategy
 from tests.support.helpers import trainer
+from tests.support.streams import IndexedStream
 from tests.support.token_modules import Sequences, TokenMeanLoss, TokenModel, indices_of, labelled_tokens, pad_collate
 
 
@@ -27,7 +29,7 @@ class ShardedTokenModel(TokenModel):
             shard(self, [self.embed, self.head[0], self.head[2]])
 
 
-def _fit(rank: int, world: int, setting: str) -> dict:
+def _fit(rank: int, world: int, setting: str, stream: bool = False) -> dict:
     as_external_process(rank, world)
     pl.seed_everything(0)
     dataset = Sequences()
@@ -41,7 +43,8 @@ def _fit(rank: int, world: int, setting: str) -> dict:
     else:
         parallel = fsdp1(world)
     t = trainer(devices=world, strategy=parallel, max_epochs=2, callbacks=[cb, audit])
-    t.fit(module, DataLoader(dataset, batch_size=3, shuffle=True, collate_fn=pad_collate))
+    data = IndexedStream(dataset, shuffle=True) if stream else dataset  # a stream: each rank reads every W-th
+    t.fit(module, DataLoader(data, batch_size=3, shuffle=not stream, collate_fn=pad_collate))
     return dict(
         sizes=[row["batch_size"] for row in cb.history],
         similarity=[row["similarity"] for row in cb.history],
@@ -52,9 +55,14 @@ def _fit(rank: int, world: int, setting: str) -> dict:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("setting", "world"), [("ddp", 2), ("ddp", 3), ("fsdp2", 2), ("fsdp1", 2)], ids=str)
-def test_every_step_is_the_mean_over_every_ranks_tokens(setting: str, world: int) -> None:
-    ranks = run_ok(_fit, world, setting, deadline_s=240)
+@pytest.mark.parametrize(
+    ("setting", "world", "stream"),
+    [("ddp", 2, False), ("ddp", 3, False), ("fsdp2", 2, False), ("fsdp1", 2, False), ("ddp", 2, True),
+     ("fsdp2", 2, True)],
+    ids=str,
+)  # fmt: skip
+def test_every_step_is_the_mean_over_every_ranks_tokens(setting: str, world: int, stream: bool) -> None:
+    ranks = run_ok(_fit, world, setting, stream, deadline_s=240)
     first = ranks[0]
     assert all(r["sizes"] == first["sizes"] and r["similarity"] == first["similarity"] for r in ranks)
     assert first["sizes"] == first["samples"] and len(set(first["sizes"])) >= 2  # in samples; the batch moved

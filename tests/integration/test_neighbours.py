@@ -105,8 +105,9 @@ def test_gradient_accumulation_scheduler_is_refused():
     fit_expecting_error("GradientAccumulationScheduler", callbacks=[GradientAccumulationScheduler({0: 2})])
 
 
-def test_iterable_dataset_is_refused():
-    fit_expecting_error("IterableDataset", loader=DataLoader(Stream(), batch_size=8))
+def test_a_stream_without_a_batch_size_is_refused():
+    # a stream is served (tests/integration/test_streams.py), re-batched from its loader's batches: it needs them
+    fit_expecting_error(r"`batch_size=None`", loader=DataLoader(Stream(), batch_size=None))
 
 
 def test_unsized_dataset_is_refused():

@@ -7,7 +7,8 @@ import random
 import numpy
 import torch
 
-from lightning_simigrad.state.rng import all_ranks_rng_states, rng_state, set_rng_state
+from lightning_simigrad.state.gather import every_rank
+from lightning_simigrad.state.rng import rng_state, set_rng_state
 
 
 def draws() -> tuple:
@@ -27,5 +28,5 @@ def test_restored_states_draw_what_the_saved_ones_drew():
 
 def test_one_process_gathers_its_own_state_only():
     state = rng_state()
-    assert all_ranks_rng_states(state) == [state]
+    assert every_rank(state) == [state]
     assert set(state) >= {"torch", "python", "numpy"} and isinstance(state["torch"], bytes)

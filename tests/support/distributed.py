@@ -98,11 +98,13 @@ def run_group(
     deadline_s: float = 60.0,
     pg_timeout_s: float = 40.0,
     teardown: bool = True,
+    workers: bool = False,
 ) -> list[Outcome]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; every rank's outcome, in rank order.
 
     ``teardown=False``: each rank exits as soon as it has reported, without destroying its process group (for
-    tests that kill a rank, where the survivors' teardown is not what is measured).
+    tests that kill a rank, where the survivors' teardown is not what is measured). ``workers=True``: the ranks are
+    not daemonic, so their DataLoaders may start worker processes (this function still kills every rank it started).
     """
     context = multiprocessing.get_context(START_METHOD)
     out = context.Queue()
@@ -111,7 +113,8 @@ def run_group(
     store = dist.TCPStore(HOST, 0, is_master=True, timeout=timeout, wait_for_workers=False)
     stacks = tempfile.mkdtemp(prefix="simigrad-ranks-")
     child_args = (world_size, store.port, pg_timeout_s, deadline_s, fn, args, out, teardown, stacks)
-    processes = [context.Process(target=_child, args=(rank, *child_args), daemon=True) for rank in range(world_size)]
+    processes = [context.Process(target=_child, args=(rank, *child_args), daemon=not workers)
+                 for rank in range(world_size)]
     results: dict[int, tuple[Any, str | None]] = {}
     released = False
 
