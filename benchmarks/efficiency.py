@@ -16,10 +16,15 @@ For each task (a recipe of ``conf/experiment``) every run trains on the same num
   more factor of 2 that way (``--extend`` times), so the baseline's rate is not cut off by the grid.
 - **SimiGrad**: the paper rule at the task's two targets and the noise-scale rule, each started from B0 with
   B0's best learning rate; ``--variant NAME:OVERRIDES`` adds more (Hydra overrides, space-separated).
+- **Ramps** (``simigrad=ramp``, what large-scale users pick instead of an adaptive batch): GPT-3's linear ramp
+  from B0 to 4, 16 or 64 B0 over a quarter or half of the budget, and OLMo's doublings from B0, 2, 4 or 6 of
+  them evenly spaced over the budget; from B0's best rate, with the recipe's LR scaling, as SimiGrad
+  (``--no-ramps`` leaves them out). Choose the best ramp on tuning seeds and judge it on others (``--seeds``),
+  as every other method's settings.
 
 Written into ``--out``: ``results.csv`` (one row per run, appended as runs finish: an interrupted study
 resumes where it stopped and skips the runs already there), ``efficiency_<task>.png`` (metric against steps:
-the static frontier with error bars, SimiGrad as points, and SimiGrad's batch-size traces), the printed
+the static frontier with error bars, SimiGrad and the ramps as points, and their batch-size traces), the printed
 table as ``summary.md``, and each run's folder with its SimiGrad trace.
 
 Budgets end each run exactly (``simigrad.max_samples``). Schedules: a task whose budget is whole epochs (digits)
@@ -112,7 +117,7 @@ class Run:
 
     @property
     def run_id(self) -> str:
-        target = f"tau{self.target:g}" if self.target is not None else "static"
+        target = f"tau{self.target:g}" if self.target is not None else "static" if self.method == "static" else "fixed"
         variant = f"-{self.variant}" if self.variant else ""
         return f"{self.task}-{self.method}{variant}-B{self.batch}-lr{self.lr:.4g}-{target}-n{self.budget}-s{self.seed}"
 
@@ -180,6 +185,32 @@ def simigrad_runs(
         lr = float(f"{task.lr0 * lr_mult:.6g}")
         runs += [Run(name, method, b0, lr_mult, lr, target, s, budget, base + overrides, variant) for s in seeds]
     return runs
+
+
+def ramp_runs(task: Task, name: str, lr_mult: float, seeds: list[int], budget: int, quick: bool) -> list[Run]:
+    """Linear ramps (GPT-3) and doublings (OLMo) from B0 at B0's best rate; ``quick``: one of each."""
+    b0 = task.smallest_batch
+    base = [f"simigrad.initial_batch_size={b0}", f"optimizer.lr={task.lr0 * lr_mult:.6g}", "simigrad=ramp"]
+    configs = []
+    for factor in (4,) if quick else (4, 16, 64):
+        for share, part in ((2, "half"),) if quick else ((4, "quarter"), (2, "half")):
+            overrides = ["simigrad.kind=linear", f"simigrad.end={factor * b0}", f"simigrad.over={budget // share}"]
+            configs.append(("ramp_linear", f"to{factor * b0}-over-{part}", overrides))
+    for k in (2,) if quick else (2, 4, 6):
+        at = ",".join(str(budget * i // (k + 1)) for i in range(1, k + 1))  # evenly spaced over the budget
+        configs.append(("ramp_doubling", f"to{b0 * 2**k}", ["simigrad.kind=doubling", f"simigrad.at=[{at}]"]))
+    lr = float(f"{task.lr0 * lr_mult:.6g}")
+    return [
+        Run(name, method, b0, lr_mult, lr, None, s, budget, base + overrides, variant)
+        for method, variant, overrides in configs
+        for s in seeds
+    ]
+
+
+def label(row: dict[str, Any]) -> str:
+    """A configuration's name in the tables and figures."""
+    variant = f"/{row['variant']}" if row["variant"] else ""
+    return f"{row['method']}{variant}" + (f" tau={row['target']:g}" if row["target"] is not None else "")
 
 
 def _target_of(overrides: list[str], default: float) -> float:
@@ -420,10 +451,10 @@ def summary_table(rows: list[dict[str, Any]], task: str) -> str:
                 mark = " **best LR**"
                 if len(mults) > 1 and f["lr_mult"] in (mults[0], mults[-1]):
                     mark += " (grid edge)"
-            label = f"static x{f['lr_mult']:g}{mark}"
+            name = f"static x{f['lr_mult']:g}{mark}"
         else:
-            label = f"{f['method']}{'/' + f['variant'] if f['variant'] else ''} tau={f['target']:g}"
-        lines.append(line(g, label))
+            name = label(f)
+        lines.append(line(g, name))
     lines.append("")
     for g in groups:
         f = g.first
@@ -432,7 +463,7 @@ def summary_table(rows: list[dict[str, Any]], task: str) -> str:
         v = verdict(frontier, g)
         reach = v["static_steps_for_its_metric"]
         lines.append(
-            f"- {f['method']}{'/' + f['variant'] if f['variant'] else ''} tau={f['target']:g}:"
+            f"- {label(f)}:"
             f" {g.mean('metric_value'):.4f} in {g.mean('steps'):.0f} steps; best static B={v['best_static_batch']}"
             f" {v['best_static_metric']:.4f} in {v['best_static_steps']:.0f} steps;"
             f" {'reaches' if v['reaches_best'] else 'does not reach'} it within the seeds' spread;"
@@ -455,7 +486,7 @@ def _follow(g: Group) -> str:
 
 
 def plot_task(rows: list[dict[str, Any]], task: str, path: Path) -> None:
-    """Metric against optimizer steps (static frontier, SimiGrad points) and SimiGrad's batch-size traces."""
+    """Metric against optimizer steps (static frontier, SimiGrad and ramp points) and their batch-size traces."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -477,11 +508,11 @@ def plot_task(rows: list[dict[str, Any]], task: str, path: Path) -> None:
     others = [g for g in groups if g.first["method"] != "static"]
     traced = False
     for i, g in enumerate(others):
-        f = g.first
-        label = f"{f['method']}{'/' + f['variant'] if f['variant'] else ''} τ={f['target']:g}"
+        name = label(g.first).replace("tau", "τ")
         color = colors[i % len(colors)]
+        ramp = g.first["method"].startswith("ramp")
         ax.errorbar(g.mean("steps"), g.mean("metric_value"), xerr=g.std("steps"), yerr=g.std("metric_value"),
-                    marker="o", color=color, capsize=3, linestyle="none", label=label)  # fmt: skip
+                    marker="^" if ramp else "o", color=color, capsize=3, linestyle="none", label=name)  # fmt: skip
         for r in g.rows:
             trace = Path(r["run_dir"]) / "simigrad_trace.csv"
             if trace.is_file():
@@ -489,7 +520,8 @@ def plot_task(rows: list[dict[str, Any]], task: str, path: Path) -> None:
                     t = list(csv.DictReader(fh))
                 samples, sizes = [float(x["samples_seen"]) for x in t], [float(x["batch_size"]) for x in t]
                 first, traced = r is g.rows[0], True
-                ax_trace.plot(samples, sizes, color=color, alpha=0.6, linewidth=0.8, label=label if first else None)
+                ax_trace.plot(samples, sizes, color=color, alpha=0.6, linewidth=0.8, label=name if first else None,
+                              linestyle="--" if ramp else "-")  # fmt: skip
     # the frontier and SimiGrad set the range; a rate that diverged would squash them into one line
     shown = [(g.mean("metric_value"), g.std("metric_value")) for g in [*frontier.values(), *others]]
     if shown:
@@ -503,7 +535,7 @@ def plot_task(rows: list[dict[str, Any]], task: str, path: Path) -> None:
     ax_trace.set_yscale("log")
     ax_trace.set_xlabel("samples seen")
     ax_trace.set_ylabel("batch size")
-    ax_trace.set_title("SimiGrad batch size (every seed)")
+    ax_trace.set_title("batch size, SimiGrad and ramps (every seed)")
     if traced:
         ax_trace.legend(fontsize=7)
     fig.tight_layout()
@@ -525,7 +557,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--variant", action="append", default=[], metavar="NAME:OVERRIDES",
                    help="an extra SimiGrad configuration: the paper rule at the first target, plus these")  # fmt: skip
     p.add_argument("--no-static", action="store_true", help="run no static batch (B0's LR: from the CSV, else x1)")
-    p.add_argument("--no-simigrad", action="store_true", help="run only the static batches")
+    p.add_argument("--no-simigrad", action="store_true", help="run only the static batches (and the ramps)")
+    p.add_argument("--no-ramps", action="store_true", help="run no batch-size ramp")
     p.add_argument("--override", action="append", default=[], metavar="[TASK:]KEY=VALUE",
                    help="a Hydra override for every run (of TASK only, with the prefix)")  # fmt: skip
     p.add_argument("--schedule", choices=("none", "linear"), default="none", help="LR schedule over the budget")
@@ -583,6 +616,10 @@ def main(argv: list[str] | None = None) -> int:
         todo = [r for r in plan if r.run_id not in done]
         print(f"== {name}: {len(plan)} SimiGrad runs from B0={task.smallest_batch} at lr x{lr_mult:g}"
               f" ({len(plan) - len(todo)} already done)")  # fmt: skip
+        trained += _train_all(task, todo, out, extra, args.schedule, csv_path)
+        plan = [] if args.no_ramps else ramp_runs(task, name, lr_mult, seeds, budget, args.quick)
+        todo = [r for r in plan if r.run_id not in done]
+        print(f"== {name}: {len(plan)} ramp runs from B0={task.smallest_batch} ({len(plan) - len(todo)} already done)")
         trained += _train_all(task, todo, out, extra, args.schedule, csv_path)
 
     rows = read_rows(csv_path)

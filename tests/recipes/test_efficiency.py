@@ -78,11 +78,29 @@ def test_each_static_batch_keeps_its_best_rate_and_the_verdict_reads_the_frontie
     assert v["static_steps_for_its_metric"] == pytest.approx(16 * 2**0.55) and not v["above_frontier"]
 
 
+def test_ramps_start_from_b0_at_its_best_rate_and_reach_their_ends() -> None:
+    task = efficiency.with_recipe_defaults(efficiency.TASKS["digits"], [])
+    b0 = task.smallest_batch
+    ramps = efficiency.ramp_runs(task, "digits", 0.5, [0, 1], 6000, quick=False)
+    assert len(ramps) == (3 * 2 + 3) * 2 and len({r.run_id for r in ramps}) == len(ramps)
+    assert all(r.batch == b0 and f"optimizer.lr={task.lr0 * 0.5:.6g}" in r.overrides and r.target is None
+               for r in ramps)  # fmt: skip
+    linear = {r.variant for r in ramps if r.method == "ramp_linear"}
+    assert linear == {f"to{f * b0}-over-{part}" for f in (4, 16, 64) for part in ("quarter", "half")}
+    sixfold = next(r for r in ramps if r.variant == f"to{b0 * 64}")  # six doublings, evenly spaced over 6000
+    assert "simigrad.at=[857,1714,2571,3428,4285,5142]" in sixfold.overrides
+    assert {r.variant for r in efficiency.ramp_runs(task, "digits", 1, [0], 6000, quick=True)} == {
+        f"to{4 * b0}-over-half", f"to{4 * b0}"
+    }  # fmt: skip
+
+
 def test_the_table_marks_the_best_rate_and_a_grid_edge(tmp_path: Path) -> None:
     rows = static_rows() + [row("noise_scale", 16, 1, s, 0.51, 25, target=0.5) for s in (0, 1)]
+    rows += [row("ramp_linear", 16, 1, s, 0.60, 40, variant="to64-over-half") for s in (0, 1)]
     table = efficiency.summary_table(rows, "t")
     assert table.count("**best LR**") == 3 and table.count("(grid edge)") == 1
     assert "noise_scale tau=0.5" in table and "above the frontier" in table
+    assert "- ramp_linear/to64-over-half: 0.6000 in 40 steps" in table and "not above the frontier" in table
     efficiency.plot_task(rows, "t", tmp_path / "t.png")
     assert (tmp_path / "t.png").stat().st_size > 10_000
 
@@ -115,7 +133,8 @@ def test_quick_study_runs_every_configuration_and_resumes(tmp_path: Path) -> Non
         b0 = efficiency.with_recipe_defaults(efficiency.TASKS[name], []).smallest_batch  # B0 as the recipe sets it
         static_batches = {int(r["batch"]) for r in task_rows if r["method"] == "static"}
         assert static_batches == {b0 * 2**i for i in range(efficiency.SIZES)}
-        assert sorted(r["method"] for r in task_rows if r["method"] != "static") == ["noise_scale", "paper", "paper"]
+        methods = sorted(r["method"] for r in task_rows if r["method"] != "static")
+        assert methods == ["noise_scale", "paper", "paper", "ramp_doubling", "ramp_linear"]
         assert all(math.isfinite(float(r["metric_value"])) and int(r["steps"]) > 0 for r in task_rows)
         assert all(int(r["samples"]) == int(r["budget"]) for r in task_rows)  # every run ends on its budget exactly
         assert (out / f"efficiency_{name}.png").stat().st_size > 10_000
