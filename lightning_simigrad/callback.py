@@ -75,7 +75,8 @@ class SimiGrad(Readings):
         RuntimeError: at setup, for a setup it cannot serve (manual optimization, DeepSpeed, FSDP1 with hybrid or no
             sharding or CPU offload, ``GradientAccumulationScheduler``, a ``training_step`` that takes
             ``dataloader_iter``, a Lightning without the members it needs), and before the first step for a
-            training DataLoader without a sized map-style dataset.
+            training DataLoader without a ``batch_size`` or over a map-style dataset without a length, and for a
+            stream's mid-epoch resume it cannot make exact.
         MeasurementError: under DDP and FSDP, on every rank at the same step, when the measurement failed on any rank.
 
     The loss that ``training_step`` returns must be the mean over its micro-batch (the default of every torch

@@ -1,7 +1,8 @@
 """An epoch's windows, planned in order over the positions of its samples, whatever hands them to the ranks.
 
-:func:`walk_epoch` is the loop every piece that feeds windows shares (today the map-style
-:class:`~lightning_simigrad.data.sampler.AdaptiveBatchSampler`): from where the epoch starts (a resumed epoch at
+:func:`walk_epoch` is the loop of data whose positions are known ahead (the map-style
+:class:`~lightning_simigrad.data.sampler.AdaptiveBatchSampler`; a stream's windows are sized from what arrives, in
+:mod:`~lightning_simigrad.data.stream`): from where the epoch starts (a resumed epoch at
 the samples it had committed, replaying the windows it had planned) it plans each window at the batch size the
 controller asks for when the window starts (:meth:`~lightning_simigrad.data.schedule.WindowSchedule.plan`), cuts
 the one that reaches the fit's budget to exactly what is left, lets the epoch's last two windows share what is left

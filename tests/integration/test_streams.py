@@ -58,6 +58,7 @@ def test_a_mid_epoch_resume_of_a_stateful_loader_continues_step_for_step(tmp_pat
     whole, whole_audit, whole_model = fit(StatefulDataLoader, workers, [SaveAtStep(tmp_path / "mid.ckpt", step=4)])
     state = torch.load(tmp_path / "mid.ckpt", weights_only=True)["callbacks"]["SimiGrad"]
     assert 0 < state["counts"]["epoch_samples_done"] < N and state["schedule"]["planned"]  # drawn ahead of training
+    assert len(state["stream"]) == 1 and state["stream"][0]  # the one process's loader position
     resumed, resumed_audit, resumed_model = fit(StatefulDataLoader, workers, ckpt_path=tmp_path / "mid.ckpt")
     rows = [(r["step"], r["batch_size"], r["samples_seen"]) for r in whole.history]
     assert [(r["step"], r["batch_size"], r["samples_seen"]) for r in resumed.history] == rows[4:]
