@@ -67,14 +67,15 @@ class EpochOrder:
             return len(sampler.dataset)  # type: ignore[arg-type]
         return len(sampler.data_source)
 
-    def epoch(self, epoch: int) -> list[int]:
-        """The global index order of ``epoch``."""
+    def epoch(self, epoch: int) -> torch.Tensor:
+        """The global index order of ``epoch``, as int64: 8 bytes an index where a list of Python ints takes about 36
+        (0.9 GB per process for the 25M sequences of BERT's corpus at 128 tokens)."""
         shuffle = shuffles(self.sampler)
         if shuffle is None:
-            return list(iter(self.sampler))
+            return torch.tensor(list(iter(self.sampler)), dtype=torch.int64)
         n = self.dataset_length()
         if not shuffle:
-            return list(range(n))
+            return torch.arange(n, dtype=torch.int64)
         generator = torch.Generator()
         generator.manual_seed(self.seed + epoch)
-        return torch.randperm(n, generator=generator).tolist()
+        return torch.randperm(n, generator=generator)

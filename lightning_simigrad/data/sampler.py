@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Sampler
 
 from lightning_simigrad.data.order import EpochOrder, shuffles
@@ -60,7 +61,7 @@ class AdaptiveBatchSampler(BatchSampler):
                 f" Use `shuffle=True` or `shuffle=False` in the DataLoader."
             )
 
-    def epoch_order(self, epoch: int) -> list[int]:
+    def epoch_order(self, epoch: int) -> torch.Tensor:
         """The global index order of an epoch: identical on every rank, and again after a resume."""
         return EpochOrder(self.sampler, self.schedule.seed).epoch(epoch)
 
@@ -72,7 +73,8 @@ class AdaptiveBatchSampler(BatchSampler):
                 first = start + window.offset(j, self.rank)
                 size = window.sizes[j][self.rank]
                 # a rank left without samples in a tiny epoch still steps: it feeds one sample the run weighs by zero
-                yield order[first : first + size] if size else [order[start]]
+                # the DataLoader's fetcher indexes the dataset with each item: plain ints, as a sampler's
+                yield order[first : first + size].tolist() if size else [int(order[start])]
 
     def __len__(self) -> int:
         # The number of micro-batches in an epoch depends on decisions not taken yet. Lightning reads a
