@@ -4,7 +4,10 @@ The corpus is tokenized into one token stream per split and cut into blocks of `
 tokens (``[CLS] ... [SEP]``), as BERT's sequence-length-128 phase does; 15% of the training tokens are
 masked per batch by ``transformers.DataCollatorForLanguageModeling``. The validation blocks are masked
 once, with a fixed seed, so every run is scored on the same masked tokens. Everything is held in memory
-(int32 token ids): for a Wikipedia-sized corpus give a subset of the files or pre-tokenize it yourself.
+(int32 token ids, and more while tokenizing), which suits a corpus of some hundred MB. A corpus larger than
+memory (Wikipedia) is tokenized once into token shards on disk by ``simigrad-prepare-text`` (:mod:`.prepare_text`)
+and read memory-mapped by :class:`~.text_shards.TokenShardsDataModule` (``data=text_shards``); the preparation
+reads, splits and tokenizes the corpus with this module's functions, so both give the same token ids.
 
 With ``cache_dir`` set, the tokenizer and both token streams are kept there, under a key made of the
 corpus (file names, sizes, modification times), the split and the tokenizer settings: a repeated run (a
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -38,10 +42,14 @@ SOURCES = ("files", "stdlib", "pydoc")
 SPLITS = ("tail", "documents")
 
 
-def expand_files(files: str | list[str] | None, root: Path | None = None) -> list[Path]:
-    """Expand ``data.files`` (one glob, or a list of globs/paths) into existing files, relative to ``root``."""
+def expand_files(files: str | list[str] | None, root: Path | None = None, setting: str = "data.files") -> list[Path]:
+    """Expand ``data.files`` (one glob, or a list of globs/paths) into existing files, relative to ``root``.
+
+    ``setting`` is what the user typed the globs as (``data.files``, or ``--files`` of ``simigrad-prepare-text``),
+    for the messages.
+    """
     if not files:
-        raise RecipeError("data.files is not set: give the text corpus, e.g. data.files='/data/wiki/*.txt'")
+        raise RecipeError(f"{setting} is not set: give the text corpus, e.g. {setting}='/data/wiki/*.txt'")
     patterns = [files] if isinstance(files, str) else list(files)
     if root is not None:
         patterns = [str(root / p) for p in patterns]
@@ -49,8 +57,8 @@ def expand_files(files: str | list[str] | None, root: Path | None = None) -> lis
     found = [p for p in found if p.is_file()]
     if not found:
         raise RecipeError(
-            f"data.files={patterns if len(patterns) > 1 else patterns[0]!r} matched no files; "
-            "give a glob of UTF-8 text files, quoted, e.g. data.files='/data/wiki/*.txt'"
+            f"{setting}={patterns if len(patterns) > 1 else patterns[0]!r} matched no files; "
+            f"give a glob of UTF-8 text files, quoted, e.g. {setting}='/data/wiki/*.txt'"
         )
     return found
 
@@ -60,12 +68,12 @@ def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def stdlib_files(patterns: str | list[str]) -> list[Path]:
+def stdlib_files(patterns: str | list[str], setting: str = "data.files") -> list[Path]:
     """The standard library's files matching ``patterns`` (globs relative to its folder), without installed packages."""
     root = stdlib_root()
     return [
         p
-        for p in expand_files(patterns, root)
+        for p in expand_files(patterns, root, setting)
         if not {"site-packages", "dist-packages"} & set(p.relative_to(root).parts)
     ]
 
@@ -73,6 +81,75 @@ def stdlib_files(patterns: str | list[str]) -> list[Path]:
 def in_validation(name: str, val_fraction: float) -> bool:
     """A document's split, fixed by its name alone: the same on every machine, whatever else the corpus holds."""
     return zlib.crc32(name.encode()) / 2**32 < val_fraction
+
+
+Document = tuple[str, Path | str]  # (name, path or text); the name decides the split
+
+
+def corpus_documents(source: str, files: str | list[str] | None, setting: str = "data.files") -> list[Document]:
+    """The corpus as named documents, in a fixed order (sorted paths, or pydoc's sorted topics).
+
+    Only names and paths: the text is read later, line by line (:func:`read_lines`).
+    """
+    if source == "pydoc":
+        from pydoc_data.topics import topics
+
+        return [(name, topics[name]) for name in sorted(topics)]
+    if source == "stdlib":
+        root = stdlib_root()
+        return [(p.relative_to(root).as_posix(), p) for p in stdlib_files(files or "**/*.py", setting)]
+    return [(str(p), p) for p in expand_files(files, setting=setting)]
+
+
+def describe_corpus(source: str, files: str | list[str] | None, setting: str = "data.files") -> str:
+    """Where the text comes from, as a message names it."""
+    return {"pydoc": "pydoc_data.topics", "stdlib": "the standard library"}.get(source, f"{setting}={files!r}")
+
+
+def read_lines(documents: Iterable[Document]) -> Iterator[str]:
+    """The documents' lines in order, one file open at a time: nothing is held beyond the current line."""
+    for _, doc in documents:
+        if isinstance(doc, str):
+            yield from doc.splitlines()
+            continue
+        with doc.open(encoding="utf-8", errors="replace") as f:
+            yield from f
+
+
+def split_documents(
+    documents: list[Document], val_fraction: float, where: str, setting: str = "data.val_fraction"
+) -> tuple[list[Document], list[Document]]:
+    """``(train, val)`` by :func:`in_validation`; both must hold a document, or the message says what to change."""
+    val_docs = [d for d in documents if in_validation(d[0], val_fraction)]
+    train_docs = [d for d in documents if not in_validation(d[0], val_fraction)]
+    if not val_docs or not train_docs:
+        raise RecipeError(
+            f"{where} holds {len(documents)} documents, {len(val_docs)} of them chosen for"
+            f" validation by {setting}={val_fraction}; give more files or change {setting}"
+        )
+    return train_docs, val_docs
+
+
+LINES_PER_CALL = 2048  # lines per tokenizer call: the fast tokenizer's batch, small enough to hold
+
+
+def encode_lines(tokenizer: PreTrainedTokenizerFast, lines: Iterable[str]) -> Iterator[np.ndarray]:
+    """The token ids of ``lines`` without special tokens, one int32 array per call of ``LINES_PER_CALL`` non-blank
+    lines: concatenated, the corpus' token stream, which both the in-memory module and the shards hold."""
+    batch: list[str] = []
+    for line in lines:
+        if line.strip():
+            batch.append(line)
+        if len(batch) == LINES_PER_CALL:
+            yield _encode(tokenizer, batch)
+            batch = []
+    if batch:
+        yield _encode(tokenizer, batch)
+
+
+def _encode(tokenizer: PreTrainedTokenizerFast, lines: list[str]) -> np.ndarray:
+    ids = tokenizer(lines, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+    return np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32)
 
 
 class TokenBlocks(Dataset[dict[str, torch.Tensor]]):
@@ -151,43 +228,14 @@ class MaskedTextDataModule(RecipeDataModule):
         self.output_dir: Path = Path(".")
         self.tokenizer: PreTrainedTokenizerFast | None = None
 
-    # -- the corpus as named documents ----------------------------------------------------------------
-    def _documents(self) -> list[tuple[str, Path | str]]:
-        """``(name, path or text)`` per document; the name decides a document's split."""
-        if self.source == "pydoc":
-            from pydoc_data.topics import topics
-
-            return [(name, topics[name]) for name in sorted(topics)]
-        if self.source == "stdlib":
-            root = stdlib_root()
-            return [(p.relative_to(root).as_posix(), p) for p in stdlib_files(self.files or "**/*.py")]
-        return [(str(p), p) for p in expand_files(self.files)]
-
-    @staticmethod
-    def _lines(documents: Iterable[tuple[str, Path | str]]) -> Iterator[str]:
-        for _, doc in documents:
-            if isinstance(doc, str):
-                yield from doc.splitlines()
-                continue
-            with doc.open(encoding="utf-8", errors="replace") as f:
-                yield from f
-
     def _where(self) -> str:
-        return {"pydoc": "pydoc_data.topics", "stdlib": "the standard library"}.get(
-            self.source, f"data.files={self.files!r}"
-        )
+        return describe_corpus(self.source, self.files)
 
     # -- build -----------------------------------------------------------------------------------------
     def _build(self) -> None:
-        documents = self._documents()
+        documents = corpus_documents(self.source, self.files)
         if self.split == "documents":
-            val_docs = [d for d in documents if in_validation(d[0], self.val_fraction)]
-            train_docs = [d for d in documents if not in_validation(d[0], self.val_fraction)]
-            if not val_docs or not train_docs:
-                raise RecipeError(
-                    f"{self._where()} holds {len(documents)} documents, {len(val_docs)} of them chosen for"
-                    f" validation by data.val_fraction={self.val_fraction}; give more files or change val_fraction"
-                )
+            train_docs, val_docs = split_documents(documents, self.val_fraction, self._where())
         else:
             train_docs, val_docs = documents, []
         folder = self._cache_folder(documents) if self.cache_dir is not None else None
@@ -207,34 +255,21 @@ class MaskedTextDataModule(RecipeDataModule):
                     shutil.rmtree(save_dir, ignore_errors=True)
         self._make_datasets(*streams)
 
-    def _tokenizer(self, train_docs: list[tuple[str, Path | str]], save_dir: Path) -> PreTrainedTokenizerFast:
+    def _tokenizer(self, train_docs: list[Document], save_dir: Path) -> PreTrainedTokenizerFast:
         cfg = self.tokenizer_cfg
         return build_tokenizer(
             path=cfg.get("path"),
             train=bool(cfg.get("train", False)),
             vocab_size=int(cfg.get("vocab_size", 30522)),
             lowercase=bool(cfg.get("lowercase", True)),
-            texts=self._lines(train_docs),  # the vocabulary never sees the validation text
+            texts=read_lines(train_docs),  # the vocabulary never sees the validation text
             save_dir=save_dir,
         )
 
-    def _encode_all(self, documents: list[tuple[str, Path | str]]) -> np.ndarray:
-        chunks, batch = [], []
-        for line in self._lines(documents):
-            if line.strip():
-                batch.append(line)
-            if len(batch) == 2048:
-                chunks.extend(self._encode(batch))
-                batch = []
-        chunks.extend(self._encode(batch))
-        return np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int32)
-
-    def _encode(self, lines: list[str]) -> list[np.ndarray]:
-        if not lines:
-            return []
+    def _encode_all(self, documents: list[Document]) -> np.ndarray:
         assert self.tokenizer is not None
-        ids = self.tokenizer(lines, add_special_tokens=False, return_attention_mask=False)["input_ids"]
-        return [np.asarray(x, dtype=np.int32) for x in ids if x]
+        chunks = list(encode_lines(self.tokenizer, read_lines(documents)))
+        return np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int32)
 
     def _make_datasets(self, train_tokens: np.ndarray, val_tokens: np.ndarray) -> None:
         assert self.tokenizer is not None
@@ -274,7 +309,7 @@ class MaskedTextDataModule(RecipeDataModule):
         return loader
 
     # -- cache -----------------------------------------------------------------------------------------
-    def _cache_folder(self, documents: list[tuple[str, Path | str]]) -> Path:
+    def _cache_folder(self, documents: list[Document]) -> Path:
         key: dict[str, Any] = {
             "format": 1,
             "source": self.source,

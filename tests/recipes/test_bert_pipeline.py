@@ -165,3 +165,28 @@ def test_the_smoke_chain_of_docs_recipes_md_runs_end_to_end(tmp_path: Path) -> N
     summary = next(line for line in out.splitlines() if line.startswith("squad_finetune-paper-seed0:"))
     assert "val/exact_match" in summary and "val/f1" in summary
     print(f"\nsmoke chain: {scores[0].strip()}\n{summary}")
+
+
+def test_phase2_continues_from_phase1s_token_shards(tmp_path: Path) -> None:
+    # the corpus prepared once on disk serves both phases: phase 1 at its length, phase 2 at the longer one
+    from lightning_simigrad_recipes.data.prepare_text import main as prepare
+
+    shards = tmp_path / "shards"
+    prepare(["--source", "pydoc", "--vocab-size", "500", "--val-fraction", "0.1", "--workers", "1",
+             "--out", str(shards)])  # fmt: skip
+    phase1 = tmp_path / "phase1"
+    common = ["debug=smoke", "data=text_shards", f"data.path={shards}", "logger=none", "num_threads=2"]
+    train(compose_cfg(["experiment=bert_large_pretrain", *common, "trainer.enable_checkpointing=true",
+                       f"output_dir={phase1}"]))  # fmt: skip
+    (checkpoint,) = phase1.glob("checkpoints/*.ckpt")
+    saved = torch.load(checkpoint, map_location="cpu", weights_only=False)["state_dict"]
+    cfg = compose_cfg(["experiment=bert_large_phase2", *common, f"tokenizer.path={shards / 'tokenizer'}",
+                       f"model.init_from='{checkpoint}'", f"output_dir={tmp_path / 'phase2'}"])  # fmt: skip
+    result = train(cfg)
+    assert result["steps"] > 0 and result["metrics"]["val/loss"] > 0
+    smoke = OmegaConf.merge(cfg, cfg.smoke)
+    dm = instantiate(smoke.data)
+    model = instantiate(smoke.model, optimizer=None, **dm.model_kwargs())
+    assert dm.max_seq_length == 64 and model.init_report["fresh"] == []  # the longer length, phase 1's weights
+    for key, value in model.bert.state_dict().items():
+        assert torch.equal(value, saved[f"bert.{key}"]), key
