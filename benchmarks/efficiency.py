@@ -19,8 +19,9 @@ For each task (a recipe of ``conf/experiment``) every run trains on the same num
 - **Ramps** (``simigrad=ramp``, what large-scale users pick instead of an adaptive batch): GPT-3's linear ramp
   from B0 to 4, 16 or 64 B0 over a quarter or half of the budget, and OLMo's doublings from B0, 2, 4 or 6 of
   them evenly spaced over the budget; from B0's best rate, with the recipe's LR scaling, as SimiGrad
-  (``--no-ramps`` leaves them out). Choose the best ramp on tuning seeds and judge it on others (``--seeds``),
-  as every other method's settings.
+  (``--no-ramps`` leaves them out, ``--ramps to64,to64-over-half`` runs only those). Choose the best ramp on
+  tuning seeds and judge it on others (``--seeds``), as every other method's settings; ``--simigrad`` likewise
+  runs only the SimiGrad configurations it names (``--simigrad paper-tau0.3,linear``).
 
 Written into ``--out``: ``results.csv`` (one row per run, appended as runs finish: an interrupted study
 resumes where it stopped and skips the runs already there), ``efficiency_<task>.png`` (metric against steps:
@@ -205,6 +206,24 @@ def ramp_runs(task: Task, name: str, lr_mult: float, seeds: list[int], budget: i
         for method, variant, overrides in configs
         for s in seeds
     ]
+
+
+def config_name(run: Run) -> str:
+    """The name ``--ramps`` and ``--simigrad`` select a configuration by: its variant's name (every ramp has
+    one: ``to64-over-quarter``, ``to256``), else ``<method>-tau<target>`` (``paper-tau0.3``)."""
+    return run.variant or (f"{run.method}-tau{run.target:g}" if run.target is not None else run.method)
+
+
+def select(runs: list[Run], names: str | None, what: str) -> list[Run]:
+    """The runs of the configurations ``names`` (comma-separated), in that order; None: all of them."""
+    if names is None:
+        return runs
+    wanted = [n for n in names.split(",") if n]
+    known = list(dict.fromkeys(config_name(r) for r in runs))
+    unknown = [n for n in wanted if n not in known]
+    if unknown:
+        sys.exit(f"unknown {what} {', '.join(unknown)}; choose from {', '.join(known)}")
+    return sorted((r for r in runs if config_name(r) in wanted), key=lambda r: wanted.index(config_name(r)))
 
 
 def label(row: dict[str, Any]) -> str:
@@ -559,6 +578,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-static", action="store_true", help="run no static batch (B0's LR: from the CSV, else x1)")
     p.add_argument("--no-simigrad", action="store_true", help="run only the static batches (and the ramps)")
     p.add_argument("--no-ramps", action="store_true", help="run no batch-size ramp")
+    p.add_argument("--ramps", default=None, metavar="NAME,...",
+                   help="run only these ramps, in this order (to64-over-quarter, to64-over-half, ..: linear;"
+                   " to64, to256, to1024: doublings)")  # fmt: skip
+    p.add_argument("--simigrad", default=None, metavar="NAME,...",
+                   help="run only these SimiGrad configurations, in this order: a --variant's NAME, or"
+                   " paper-tau0.3, noise_scale-tau0.3 (the method at its target)")  # fmt: skip
     p.add_argument("--override", action="append", default=[], metavar="[TASK:]KEY=VALUE",
                    help="a Hydra override for every run (of TASK only, with the prefix)")  # fmt: skip
     p.add_argument("--schedule", choices=("none", "linear"), default="none", help="LR schedule over the budget")
@@ -613,11 +638,13 @@ def main(argv: list[str] | None = None) -> int:
         b0_best = best_static(group_rows(b0_rows).values()).get(task.smallest_batch)
         lr_mult = b0_best.first["lr_mult"] if b0_best else 1.0
         plan = [] if args.no_simigrad else simigrad_runs(task, name, lr_mult, seeds, budget, variants)  # type: ignore[arg-type]
+        plan = select(plan, args.simigrad, "SimiGrad configuration")
         todo = [r for r in plan if r.run_id not in done]
         print(f"== {name}: {len(plan)} SimiGrad runs from B0={task.smallest_batch} at lr x{lr_mult:g}"
               f" ({len(plan) - len(todo)} already done)")  # fmt: skip
         trained += _train_all(task, todo, out, extra, args.schedule, csv_path)
         plan = [] if args.no_ramps else ramp_runs(task, name, lr_mult, seeds, budget, args.quick)
+        plan = select(plan, args.ramps, "ramp")
         todo = [r for r in plan if r.run_id not in done]
         print(f"== {name}: {len(plan)} ramp runs from B0={task.smallest_batch} ({len(plan) - len(todo)} already done)")
         trained += _train_all(task, todo, out, extra, args.schedule, csv_path)

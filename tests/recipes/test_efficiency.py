@@ -94,6 +94,25 @@ def test_ramps_start_from_b0_at_its_best_rate_and_reach_their_ends() -> None:
     }  # fmt: skip
 
 
+def test_ramps_and_simigrad_configurations_are_selected_by_name_in_the_order_given() -> None:
+    task = efficiency.with_recipe_defaults(efficiency.TASKS["digits"], [])
+    b0 = task.smallest_batch
+    ramps = efficiency.ramp_runs(task, "digits", 0.5, [0, 1], 6000, quick=False)
+    chosen = efficiency.select(ramps, f"to{4 * b0},to{16 * b0}-over-half", "ramp")
+    assert [(r.method, r.variant, r.seed) for r in chosen] == [
+        ("ramp_doubling", f"to{4 * b0}", 0), ("ramp_doubling", f"to{4 * b0}", 1),
+        ("ramp_linear", f"to{16 * b0}-over-half", 0), ("ramp_linear", f"to{16 * b0}-over-half", 1),
+    ]  # fmt: skip
+    assert efficiency.select(ramps, None, "ramp") == ramps
+    simi = efficiency.simigrad_runs(task, "digits", 0.5, [3], 5000, [("linear", "simigrad.lr_scaling=linear")])
+    t0, t1 = task.targets
+    picked = efficiency.select(simi, f"linear,paper-tau{t1:g}", "SimiGrad configuration")
+    assert [(r.method, r.target, r.variant) for r in picked] == [("paper", t0, "linear"), ("paper", t1, "")]
+    assert [r.method for r in efficiency.select(simi, f"noise_scale-tau{t0:g}", "x")] == ["noise_scale"]
+    with pytest.raises(SystemExit, match="unknown ramp to3"):
+        efficiency.select(ramps, "to3", "ramp")
+
+
 def test_the_table_marks_the_best_rate_and_a_grid_edge(tmp_path: Path) -> None:
     rows = static_rows() + [row("noise_scale", 16, 1, s, 0.51, 25, target=0.5) for s in (0, 1)]
     rows += [row("ramp_linear", 16, 1, s, 0.60, 40, variant="to64-over-half") for s in (0, 1)]
