@@ -1,6 +1,6 @@
-"""What `loss_items` costs: SimiGrad's step time with token weighting against without, side by side.
+"""Batches in tokens: what `loss_items` costs, and what token-budgeted, length-grouped windows save in padding.
 
-    python benchmarks/tokens.py                  # ~2 minutes on 2 CPU cores
+    python benchmarks/tokens.py                  # ~4 minutes on 2 CPU cores
     python benchmarks/tokens.py --rounds 9 --steps 40
 
 A language-model-style module (token embedding, a two-layer MLP per token, the vocabulary projection: 2.4M
@@ -11,8 +11,12 @@ micro-batches); the *items* side also counts each micro-batch's labelled tokens 
 gradient once per step. The sides run in turn, round by round, the order alternating; each round compares the
 median optimizer-step times (wall and CPU), and the medians over rounds are printed last.
 
-Not measured here yet: the padding fraction of token-budgeted, length-grouped windows against a plain DataLoader
-(batches stated in tokens are not built).
+Then the padding: ``SimiGrad(lengths=..., max_micro_batch_tokens=16 x 128)`` (windows of B0 = 64 x the mean length
+tokens, samples of alike length together, at most the padded tokens of a plain micro-batch of 16 of the longest)
+against the same module fed shuffled micro-batches of 16 samples (SimiGrad counting samples, B0 = 64: a plain
+shuffled DataLoader's batches), both ``adjust=False`` at the same tokens per step: the padding fraction of every
+micro-batch trained (padded tokens not in any sequence, over all padded tokens) and the real tokens per second of
+step time, in alternating rounds.
 """
 
 from __future__ import annotations
@@ -92,6 +96,44 @@ def timed_fit(items: bool, steps: int, data: Documents) -> tuple[float, float]:
     return statistics.median(timer.times), statistics.median(timer.cpu_times)
 
 
+class PaddedTokens(pl.Callback):
+    """Real and padded tokens of every micro-batch trained."""
+
+    def __init__(self) -> None:
+        self.real = self.padded = 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.real += int((batch["input_ids"] != 0).sum())
+        self.padded += batch["input_ids"].numel()
+
+
+def padding_fit(budgeted: bool, steps: int, data: Documents) -> tuple[float, float]:
+    """Padding fraction and real tokens per second of step time, in token windows (``budgeted``) or sample ones."""
+    torch.manual_seed(0)
+    timer, tokens = StepTimer(warmup=2), PaddedTokens()
+    lengths = [len(t) for t in data.tokens]
+    mean = sum(lengths) / len(lengths)
+    if budgeted:
+        simigrad = SimiGrad(
+            0.8, adjust=False, initial_batch_size=round(MICRO * WINDOW * mean), lengths=lengths,
+            max_micro_batch_tokens=MICRO * 128, loss_items=labelled,
+        )  # fmt: skip
+    else:
+        simigrad = SimiGrad(0.8, adjust=False, initial_batch_size=MICRO * WINDOW, loss_items=labelled)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=steps,
+        callbacks=[simigrad, timer, tokens],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(TokenLM(), DataLoader(data, batch_size=MICRO, shuffle=True, collate_fn=pad))
+    per_step = MICRO * WINDOW * mean
+    return 1 - tokens.real / tokens.padded, per_step / statistics.median(timer.times)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
@@ -113,6 +155,23 @@ def main() -> None:
     print(
         f"loss_items / samples: median wall-time ratio {statistics.median(wall):.3f}, median CPU-time ratio"
         f" {statistics.median(cpu):.3f}"
+    )
+    fractions: dict[bool, list[float]] = {False: [], True: []}
+    speed = []
+    for round_ in range(args.rounds):
+        order = (False, True) if round_ % 2 == 0 else (True, False)
+        results = {budgeted: padding_fit(budgeted, args.steps, data) for budgeted in order}
+        for budgeted, (fraction, _) in results.items():
+            fractions[budgeted].append(fraction)
+        speed.append(results[True][1] / results[False][1])
+        print(
+            f"round {round_}: padding {results[False][0]:.3f} in batches of {MICRO} samples, {results[True][0]:.3f} in"
+            f" token windows; tokens/s {results[False][1]:.0f} and {results[True][1]:.0f} (ratio {speed[-1]:.3f})"
+        )
+    print(
+        f"padding fraction: {statistics.median(fractions[False]):.3f} shuffled batches of {MICRO},"
+        f" {statistics.median(fractions[True]):.3f} token windows grouped by length; tokens/s ratio (token windows /"
+        f" batches) {statistics.median(speed):.3f}"
     )
 
 

@@ -143,7 +143,7 @@ class Run:
         self.controller = BatchSizeController(**args)
         self.schedule = WindowSchedule(
             batch_size=self.controller.batch_size,
-            max_micro_batch_size=settings.max_micro_batch_size or data.batch_size,
+            max_micro_batch_size=micro_batch_cap(settings, data),
             world_size=world_size,
             min_micro_batches=min_micro_batches,
             seed=seed,
@@ -151,6 +151,8 @@ class Run:
             samples_left=self.samples_left,
             trained=lambda: self.counts.weight_seen,
             planner=None if settings.schedule is None else self.scheduled_size,
+            lengths=data.lengths,
+            max_micro_batch_tokens=settings.max_micro_batch_tokens,
         )
         self.counts = FitCounts()
         self.scheduler_steps = SchedulerSteps()  # advanced by the integration, which steps the schedulers
@@ -187,6 +189,7 @@ class Run:
     def reload(self, data: Data, limits: Limits) -> None:
         """The training data as Lightning loaded it this time (a reloaded DataLoader, a later fit's Trainer)."""
         self.bounds = replace(self.bounds, data=data, limits=limits)
+        self.schedule.lengths = data.lengths
 
     # ------------------------------------------------------------------------------ one optimizer step
     def start_epoch(self) -> None:
@@ -318,8 +321,9 @@ class Run:
         return self.bounds.budget() - self.counts.weight_seen
 
     def counters(self) -> tuple[int, int, int]:
-        """``(epoch, epoch_samples_done, samples_seen)`` after the last optimizer step."""
-        return self.epoch(), self.counts.epoch_samples_done, self.counts.samples_seen
+        """``(epoch, epoch_samples_done, weight_seen)`` after the last optimizer step: where the epoch stands, in
+        samples, and what the fit trained, in what batch sizes count (B0-steps are counted in it)."""
+        return self.epoch(), self.counts.epoch_samples_done, self.counts.weight_seen
 
     # ------------------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, dict[str, Any]]:
@@ -331,6 +335,14 @@ class Run:
             "controller": self.controller.state_dict(),
             "progress": self.scheduler_steps.state_dict(),
         }
+
+
+def micro_batch_cap(settings: Settings, data: Data) -> int:
+    """Most samples of a slot: ``max_micro_batch_size``, else the DataLoader's batch, unless micro-batches are bounded
+    in tokens (``max_micro_batch_tokens``), which then bound them alone."""
+    if settings.max_micro_batch_size is not None:
+        return settings.max_micro_batch_size
+    return data.batch_size if settings.max_micro_batch_tokens is None else 2**62
 
 
 def restore(run: Run, restart: Restart, warn: Callable[[str], None], info: Callable[[str], None]) -> Resumption:

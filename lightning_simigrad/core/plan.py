@@ -42,6 +42,9 @@ class Window:
         weights: ``weights[j][r]`` is that slot's *weight*, what batch sizes count: its samples (None, the default:
             ``sizes``), or its tokens where batches are counted in tokens. Samples stay what an epoch's coverage and
             the ranks' shares count.
+        order: where the window's samples are laid out slot by slot (micro-major, as :meth:`offset` counts), the
+            position of each within the window's run of the epoch's order; None: in that order (a window planned
+            in tokens groups samples of similar length, :mod:`~lightning_simigrad.core.token_plan`).
 
     >>> window = Window(((2, 2), (1, 1)))
     >>> window.total, window.weight, window.samples_per_rank()
@@ -52,6 +55,7 @@ class Window:
 
     sizes: tuple[tuple[int, ...], ...]
     weights: tuple[tuple[int, ...], ...] | None = None
+    order: tuple[int, ...] | None = None
 
     @property
     def num_micro_batches(self) -> int:
@@ -100,6 +104,16 @@ class Window:
         """Position of slot ``(micro, rank)`` within the window's samples (slots laid out micro-major)."""
         before = self.samples_through[micro - 1] if micro else 0
         return before + sum(self.sizes[micro][:rank])
+
+    def slot_positions(self, micro: int, rank: int) -> range | tuple[int, ...]:
+        """The positions, within the window's run of the epoch's order, of slot ``(micro, rank)``'s samples.
+
+        >>> Window(((1, 1), (1, 1)), order=(3, 0, 2, 1)).slot_positions(1, 0)
+        (2,)
+        """
+        first = self.offset(micro, rank)
+        end = first + self.sizes[micro][rank]
+        return range(first, end) if self.order is None else self.order[first:end]
 
     def half_split(self) -> int:
         """Micro-batches in the first half of the window (one process measures the halves in time)."""

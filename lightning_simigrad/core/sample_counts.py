@@ -27,7 +27,8 @@ Pure arithmetic, no Lightning: :mod:`lightning_simigrad.integration.progress` ap
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = ["Data", "FitBounds", "FitLength", "Limits", "epoch_limit", "validation_interval"]
 
@@ -107,6 +108,9 @@ class FitLength:
         drop_last: the DataLoader drops a tail smaller than the batch.
         max_epochs: the epoch bound (``-1``: none).
         budget: most samples the fit trains (``math.inf``: none).
+        epoch_weight: where batches are counted in tokens, an epoch's tokens; B0-steps are then counted over the fit
+            (an epoch's positions are in samples, its B0-steps in tokens), and an epoch is ``epoch_weight / B0`` of
+            them.
 
     >>> length = FitLength(initial_batch_size=16, epoch_samples=100, drop_last=False, max_epochs=3, budget=math.inf)
     >>> length.steps_per_epoch, length.stepping_batches
@@ -118,6 +122,8 @@ class FitLength:
     >>> unknown = FitLength(16, None, False, 3, budget=16 * 10)  # a stream: only the budget bounds the count
     >>> unknown.stepping_batches, unknown.steps_done(epoch=1, epoch_samples_done=8, samples_seen=40, at_epoch_end=False)
     (10, 2)
+    >>> FitLength(1024, None, False, 3, math.inf, epoch_weight=100_000).stepping_batches  # tokens: 98 an epoch
+    294
     """
 
     initial_batch_size: int
@@ -125,14 +131,18 @@ class FitLength:
     drop_last: bool
     max_epochs: int
     budget: float
+    epoch_weight: float | None = None
 
     @property
     def steps_per_epoch(self) -> int | None:
-        """B0-steps in an epoch (None: the epoch's length is unknown)."""
+        """B0-steps in an epoch, counted per epoch (None: the epoch's length is unknown, or counted in tokens)."""
         if self.epoch_samples is None:
             return None
+        return self._steps_in(self.epoch_samples)
+
+    def _steps_in(self, epoch_weight: float) -> int:
         rounding = math.floor if self.drop_last else math.ceil
-        return int(rounding(self.epoch_samples / self.initial_batch_size))
+        return int(rounding(epoch_weight / self.initial_batch_size))
 
     @property
     def budget_steps(self) -> float:
@@ -142,6 +152,8 @@ class FitLength:
     def stepping_batches(self) -> float:
         """The fit's length in B0-steps (``math.inf`` when nothing bounds it)."""
         per_epoch = self.steps_per_epoch
+        if per_epoch is None and self.epoch_weight is not None:
+            per_epoch = self._steps_in(self.epoch_weight)
         by_epochs = math.inf if self.max_epochs == -1 or per_epoch is None else per_epoch * max(self.max_epochs, 1)
         total = min(by_epochs, self.budget_steps)
         return total if math.isinf(total) else int(total)
@@ -201,6 +213,8 @@ class Data:
         drop_last: the DataLoader drops a tail smaller than the batch.
         regenerable_order: the order can be drawn again (a resume can pick it up mid-epoch).
         sampler: the order's name, for messages.
+        lengths: where batches are counted in tokens, the tokens of every sample by dataset index (an int64 tensor).
+        weight: where batches are counted in tokens, the dataset's tokens.
     """
 
     epoch_length: int | None
@@ -208,6 +222,8 @@ class Data:
     drop_last: bool
     regenerable_order: bool = True
     sampler: str = "SequentialSampler"
+    lengths: Any = field(default=None, compare=False, repr=False)
+    weight: int | None = None
 
 
 @dataclass(frozen=True)
@@ -273,12 +289,18 @@ class FitBounds:
         return budget
 
     def fit_length(self) -> FitLength:
+        epoch_samples, weight, length = self.epoch_samples(), self.data.weight, self.data.epoch_length
+        if weight is not None and epoch_samples is not None and length:  # counted in tokens: over the fit
+            return FitLength(
+                self.initial_batch_size,
+                None,
+                self.data.drop_last,
+                self.limits.max_epochs,
+                self.budget(),
+                epoch_weight=weight * epoch_samples / length,  # what a limited epoch's share holds, on average
+            )
         return FitLength(
-            initial_batch_size=self.initial_batch_size,
-            epoch_samples=self.epoch_samples(),
-            drop_last=self.data.drop_last,
-            max_epochs=self.limits.max_epochs,
-            budget=self.budget(),
+            self.initial_batch_size, epoch_samples, self.data.drop_last, self.limits.max_epochs, self.budget()
         )
 
     def validation_interval(self) -> tuple[int, bool] | None:

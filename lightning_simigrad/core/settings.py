@@ -15,7 +15,7 @@ ValueError: `lr_scaling` must be one of ('sqrt', 'linear', 'none'), got 'cubic'.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +42,9 @@ class BatchSettings:
     history_size: int | None = 10_000  # steps `history` keeps (None: all, 0: none)
     # batch -> its number of loss items (labelled tokens): every item of a step then weighs 1 / (the step's items)
     loss_items: Callable[[Any], Any] | None = None
+    # each sample's tokens (one int per sample, or a function of a sample): batch sizes then count tokens
+    lengths: Sequence[int] | Callable[[Any], Any] | None = None
+    max_micro_batch_tokens: int | None = None  # most padded tokens per device in one forward/backward (with `lengths`)
 
     def __post_init__(self) -> None:
         if self.lr_scaling not in LR_SCALINGS:
@@ -49,7 +52,7 @@ class BatchSettings:
         blend = self.lr_scaling_blend
         if not (isinstance(blend, (int, float)) and 0.0 <= blend <= 1.0):
             raise ValueError(f"`lr_scaling_blend` must lie in [0, 1], got {blend!r}. Use 1 for the full factor.")
-        for name in ("max_micro_batch_size", "initial_batch_size", "max_samples"):
+        for name in ("max_micro_batch_size", "initial_batch_size", "max_samples", "max_micro_batch_tokens"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise ValueError(f"`{name}` must be a positive int or None, got {value!r}.")
@@ -58,12 +61,39 @@ class BatchSettings:
                 f"`loss_items` must be a function of a micro-batch returning its number of loss items, got"
                 f" {self.loss_items!r}. For example `loss_items=lambda batch: (batch['labels'] != -100).sum()`."
             )
+        self._check_lengths()
         size = self.history_size
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 0):
             raise ValueError(
                 f"`history_size` must be a non-negative int or None, got {size!r}. Use None to keep every"
                 " step, 0 to keep none."
             )
+
+    def _check_lengths(self) -> None:
+        lengths = self.lengths
+        if lengths is None:
+            if self.max_micro_batch_tokens is not None:
+                raise ValueError(
+                    f"`max_micro_batch_tokens={self.max_micro_batch_tokens}` bounds micro-batches in tokens, which"
+                    " needs every sample's tokens: give `lengths` too (one int per sample, or a function of a"
+                    " sample), or bound micro-batches in samples with `max_micro_batch_size`."
+                )
+            return
+        if isinstance(lengths, (str, bytes)) or not (callable(lengths) or hasattr(lengths, "__len__")):
+            raise ValueError(
+                f"`lengths` must be one int per sample of the training dataset, or a function of a sample returning"
+                f" its tokens, got {lengths!r}. For example `lengths=lambda sample: len(sample['input_ids'])`."
+            )
+        if self.initial_batch_size is None:
+            raise ValueError(
+                "With `lengths`, batch sizes count tokens: give `initial_batch_size` (B0) in tokens, the tokens per"
+                " step the learning rate was set for (e.g. `initial_batch_size=16 * 512` for 16 sequences of 512)."
+            )
+
+    @property
+    def counts_tokens(self) -> bool:
+        """Batch sizes count tokens (``lengths`` given), not samples."""
+        return self.lengths is not None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,6 +114,12 @@ class Settings(BatchSettings):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.lengths is not None and self.controller == "noise_scale":
+            raise ValueError(
+                "`controller='noise_scale'` with `lengths`: the noise scale is measured in the halves' samples (or"
+                " loss items) while the batch counts tokens, and the rule would set one from the other. Use"
+                " `controller='paper'`, whose similarity target is the same in any unit, or leave out `lengths`."
+            )
         # the controller checks its own arguments
         BatchSizeController(**self.controller_args(self.initial_batch_size or self.min_batch_size or 1))
 

@@ -68,13 +68,21 @@ class AdaptiveBatchSampler(BatchSampler):
     def __iter__(self) -> Iterator[list[int]]:
         epoch = self.schedule.epoch()
         order = self.epoch_order(epoch)
-        for window, start in walk_epoch(self.schedule, epoch, len(order), self.drop_last):
+        lengths = None if self.schedule.lengths is None else self.schedule.lengths[order]
+        for window, start in walk_epoch(self.schedule, epoch, len(order), self.drop_last, lengths):
             for j in range(window.num_micro_batches):
-                first = start + window.offset(j, self.rank)
                 size = window.sizes[j][self.rank]
-                # a rank left without samples in a tiny epoch still steps: it feeds one sample the run weighs by zero
-                # the DataLoader's fetcher indexes the dataset with each item: plain ints, as a sampler's
-                yield order[first : first + size].tolist() if size else [int(order[start])]
+                if not size:
+                    # a rank left without samples in a tiny window still steps: it feeds one sample the run weighs by
+                    # zero (the window's shortest, where it is counted in tokens)
+                    yield [int(order[start + (window.order[-1] if window.order else 0)])]
+                    continue
+                positions = window.slot_positions(j, self.rank)
+                if isinstance(positions, range):
+                    # the DataLoader's fetcher indexes the dataset with each item: plain ints, as a sampler's
+                    yield order[start + positions.start : start + positions.stop].tolist()
+                else:
+                    yield order[start + torch.tensor(positions, dtype=torch.int64)].tolist()
 
     def __len__(self) -> int:
         # The number of micro-batches in an epoch depends on decisions not taken yet. Lightning reads a

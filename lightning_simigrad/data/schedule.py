@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 
 from lightning_simigrad.core.fields import NON_NEGATIVE_INT, POSITIVE_INT, Field, list_of
 from lightning_simigrad.core.plan import Window, plan_window
+from lightning_simigrad.core.token_plan import plan_token_window
 
 __all__ = ["EpochPlan", "ResumePoint", "WindowSchedule"]
 
@@ -142,6 +143,9 @@ class WindowSchedule:
         trained: returns the weight the fit has trained (read when an epoch's iterator starts, as ``samples_left``).
         planner: a fixed schedule: the batch size of the window that starts after a given weight trained (None: the
             controller's ``batch_size``, which a decision changes).
+        lengths: the tokens of every sample of the dataset, by index, where batches are counted in tokens (None:
+            in samples).
+        max_micro_batch_tokens: most padded tokens in one slot, where batches are counted in tokens.
     """
 
     batch_size: int
@@ -154,6 +158,8 @@ class WindowSchedule:
     samples_left: Callable[[], float] = lambda: math.inf
     trained: Callable[[], int] = lambda: 0
     planner: Callable[[int], int] | None = None
+    lengths: Any = None
+    max_micro_batch_tokens: int | None = None
     current: EpochPlan = field(default_factory=EpochPlan)
     # where a run resumed in the middle of an epoch picks it up
     resume_from: ResumePoint | None = None
@@ -196,4 +202,15 @@ class WindowSchedule:
             self.min_micro_batches,
             even_micro_batches=self.min_micro_batches >= 2,
             take_small_remainder=take_small_remainder,
+        )
+
+    def plan_tokens(self, lengths: list[int]) -> Window:
+        """A window of samples of these ``lengths`` (in the epoch's order), cut into slots by their tokens."""
+        return plan_token_window(
+            lengths,
+            self.world_size,
+            self.max_micro_batch_tokens,
+            self.max_micro_batch_size,
+            self.min_micro_batches,
+            even_micro_batches=self.min_micro_batches >= 2,
         )

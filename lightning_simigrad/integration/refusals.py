@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_simigrad.measurement.sharding import refuse_unserved_fsdp1
 
-__all__ = ["check_dataloader", "refuse_several_optimizers", "refuse_unsupported"]
+__all__ = ["check_dataloader", "refuse_lengths_over_a_stream", "refuse_several_optimizers", "refuse_unsupported"]
 
 
 def refuse_unsupported(trainer: pl.Trainer, pl_module: pl.LightningModule, max_micro_batch_size: int | None) -> None:
@@ -90,3 +90,14 @@ def check_dataloader(loader: Any) -> None:
             f"SimiGrad needs a map-style training dataset's length; `{type(loader.dataset).__name__}` has no"
             " `__len__`. Implement `__len__`, or make it an `IterableDataset` (a stream)."
         ) from None
+
+
+def refuse_lengths_over_a_stream(lengths: Any) -> None:
+    """Windows in tokens are planned over positions known ahead; a stream's windows are sized from what arrives."""
+    if lengths is not None:
+        raise ValueError(
+            "`lengths` plans windows to token budgets over a map-style dataset, whose samples and their lengths are"
+            " known ahead; this training DataLoader is a stream (an IterableDataset). Over a stream, batches count"
+            " the stream's samples: leave out `lengths` (and `max_micro_batch_tokens`) and keep `loss_items`, which"
+            " weighs every token of a step exactly over a stream too."
+        )

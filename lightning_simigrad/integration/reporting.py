@@ -61,6 +61,9 @@ class Reporting:
             "simigrad/samples_seen": float(step.total_span[1]),
             "simigrad/noise_scale": run.controller.noise_scale,
         }
+        if run.settings.counts_tokens:  # the batch counts tokens: its samples beside it, and the fit's tokens
+            row["simigrad/batch_samples"] = float(step.samples)
+            row["simigrad/tokens_seen"] = float(run.counts.weight_seen)
         if self.history_size != 0:
             self.history.append({"step": float(step.index), **{k.split("/", 1)[1]: v for k, v in row.items()}})
             if self.history_size is not None and len(self.history) > self.history_size:
@@ -84,9 +87,11 @@ class Reporting:
     def summary(self, run: Run) -> dict[str, int]:
         """The fit so far in numbers: optimizer steps, samples, batch-size range, and the steps B0 would take."""
         low, high = self.batch_range
+        tokens = {"tokens": run.counts.weight_seen} if run.settings.counts_tokens else {}
         return {
             "optimizer_steps": run.counts.steps,
             "samples": run.counts.samples_seen,
+            **tokens,
             "initial_batch_size": run.b0,
             "min_batch_size": low if high else 0,
             "max_batch_size": high,
@@ -96,8 +101,13 @@ class Reporting:
     def announce(self, trainer: pl.Trainer, numbers: dict[str, int]) -> None:
         """The summary, logged once on rank zero and put in a W&B run's summary table."""
         ratio = numbers["steps_at_initial_batch_size"] / max(1, numbers["optimizer_steps"])
+        over = f"{numbers['samples']} samples"
+        if "tokens" in numbers:  # batch sizes count tokens
+            over = f"{numbers['tokens']} tokens ({numbers['samples']} samples), batch size in tokens"
+        else:
+            over += ", batch size"
         rank_zero_info(
-            f"SimiGrad: {numbers['optimizer_steps']} optimizer steps over {numbers['samples']} samples, batch size"
+            f"SimiGrad: {numbers['optimizer_steps']} optimizer steps over {over}"
             f" {numbers['min_batch_size']}..{numbers['max_batch_size']} (B0 = {numbers['initial_batch_size']});"
             f" a fixed batch of {numbers['initial_batch_size']} takes {numbers['steps_at_initial_batch_size']}"
             f" steps ({ratio:.1f}x as many)"

@@ -12,7 +12,7 @@ started), from the checkpoint being resumed if any, or carried over from the cal
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import lightning.pytorch as pl
@@ -21,7 +21,9 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
 from lightning_simigrad import _compat
+from lightning_simigrad.core.sample_counts import Data
 from lightning_simigrad.core.settings import Settings
+from lightning_simigrad.data.lengths import sample_lengths
 from lightning_simigrad.data.stream import StreamWindows
 from lightning_simigrad.integration import neighbours, refusals, streams, trainer_facts
 from lightning_simigrad.integration.accumulation import VariableAccumulation
@@ -91,6 +93,7 @@ class FitSession:
         self.tuned_from = before if before is not None else carried.tuned_from
         self.resume: Resume | None = None  # set when Lightning restores a checkpoint, before the data loads
         self.stream: StreamWindows | None = None  # the training data, when it is a stream
+        self._lengths: tuple[Any, Any] | None = None  # the dataset and its samples' tokens (``lengths``)
         self._run = carried.run
         if self._run is not None:  # continues on this fit's model, counting its epochs
             self._run.follow(
@@ -135,9 +138,10 @@ class FitSession:
         stream = streams.is_stream(loader)
         order = None if stream else trainer_facts.training_order(trainer, loader)
         if stream:
+            refusals.refuse_lengths_over_a_stream(self.settings.lengths)
             data = streams.stream_data(loader, self.settings.max_micro_batch_size)
         else:
-            data = trainer_facts.data_of(loader, order)
+            data = self._counted_in_tokens(trainer_facts.data_of(loader, order), loader.dataset)
         limits = trainer_facts.limits_of(trainer, self.schedules.setting)
         if self._run is None:
             self._run = self._start_run(loader, data, limits)
@@ -150,6 +154,16 @@ class FitSession:
             return self.stream
         self.stream = None
         return adaptive_loader(loader, order, run.schedule, run.bounds.epoch_samples(), run.rank)
+
+    def _counted_in_tokens(self, data: Data, dataset: Any) -> Data:
+        """``data`` with every sample's tokens, where batches are counted in tokens (read once per dataset)."""
+        settings = self.settings
+        if settings.lengths is None:
+            return data
+        if self._lengths is None or self._lengths[0] is not dataset:
+            self._lengths = (dataset, sample_lengths(settings.lengths, dataset, settings.max_micro_batch_tokens))
+        tokens = self._lengths[1]
+        return replace(data, lengths=tokens, weight=int(tokens.sum()))
 
     def _start_run(self, loader: DataLoader, data: Any, limits: Any) -> Run:
         """The fit's run, made when its training data first arrives, measuring as the strategy trains.
