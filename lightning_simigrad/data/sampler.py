@@ -74,7 +74,7 @@ class AdaptiveBatchSampler(BatchSampler):
                 size = window.sizes[j][self.rank]
                 if not size:
                     # a rank left without samples in a tiny window still steps: it feeds one sample the run weighs by
-                    # zero (the window's shortest, where it is counted in tokens)
+                    # zero (one of the window's own samples, alone in its slot: within any token bound)
                     yield [int(order[start + (window.order[-1] if window.order else 0)])]
                     continue
                 positions = window.slot_positions(j, self.rank)
