@@ -1,5 +1,5 @@
-"""Batches counted in tokens across ranks: DDP at W = 2 and 3 (the halves are rank groups) and FSDP2 at W = 2
-(halves in time), on gloo. Every rank runs the same micro-batches per window whatever the lengths, no padded
+"""Batches counted in tokens across ranks: DDP at W = 2 and 3 (the halves are rank groups), FSDP2 at W = 2 (halves in
+time) and FSDP1 at W = 2 (two rank groups inside its reduce-scatter), on gloo. Every rank runs the same micro-batches per window whatever the lengths, no padded
 micro-batch exceeds `max_micro_batch_tokens`, every step's logged batch is the tokens of all ranks' samples, every
 sample is trained once per epoch, and every step's gradient is the float64 mean over the labelled tokens of all ranks.
 """
@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 from lightning_simigrad import SimiGrad
 from lightning_simigrad.testing import StepAudit
 from tests.support.distributed import run_ok
-from tests.support.fsdp_modules import as_external_process, shard, strategy
+from tests.support.fsdp_modules import as_external_process, fsdp1, shard, strategy
 from tests.support.helpers import trainer
 from tests.support.token_modules import Sequences, TokenMeanLoss, TokenModel, indices_of, labelled_tokens, pad_collate
 
@@ -55,8 +55,10 @@ def _fit(rank: int, world: int, setting: str) -> dict:
     module: TokenModel = TokenModel()
     if setting == "ddp":
         parallel = DDPStrategy(process_group_backend="gloo")
-    else:
+    elif setting == "fsdp2":
         module, parallel = ShardedTokenModel(), strategy(world)
+    else:
+        parallel = fsdp1(world)
     t = trainer(devices=world, strategy=parallel, max_epochs=2, callbacks=[cb, audit, padded])
     t.fit(module, DataLoader(dataset, batch_size=4, shuffle=True, collate_fn=pad_collate))
     return dict(
@@ -72,7 +74,7 @@ def _fit(rank: int, world: int, setting: str) -> dict:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("setting", "world"), [("ddp", 2), ("ddp", 3), ("fsdp2", 2)], ids=str)
+@pytest.mark.parametrize(("setting", "world"), [("ddp", 2), ("ddp", 3), ("fsdp2", 2), ("fsdp1", 2)], ids=str)
 def test_token_windows_across_ranks(setting: str, world: int) -> None:
     ranks = run_ok(_fit, world, setting, deadline_s=240)
     first = ranks[0]
@@ -80,4 +82,5 @@ def test_token_windows_across_ranks(setting: str, world: int) -> None:
     assert first["sizes"] == first["tokens"] and len(set(first["sizes"])) >= 3  # tokens of all ranks; it moved
     assert max(r["padded"] for r in ranks) <= MAX_TOKENS
     assert set(first["fed"].values()) == {2} and len(first["fed"]) == first["n"]  # each sample once an epoch
-    assert max(max(r["errors"]) for r in ranks) < 1e-12
+    # FSDP1 computes the float64 module in float32 under Lightning's `32-true` (test_fsdp1.py): 1e-6 there
+    assert max(max(r["errors"]) for r in ranks) < (1e-6 if setting == "fsdp1" else 1e-12)
