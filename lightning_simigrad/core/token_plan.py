@@ -6,14 +6,15 @@ they are cut into ``k`` micro-batches on each of ``W`` ranks so that:
 
 - every slot's *padded* tokens -- its samples times its longest sample -- stay within ``max_micro_batch_tokens``
   (the memory bound, whatever the lengths), and its samples within ``max_micro_batch_size``;
-- samples of similar length share a slot (the window's samples are sorted by length and cut into runs), which cuts
-  padding as a length-grouped sampler does without changing which samples the window holds;
-- every rank runs the same number of micro-batches (a window is a ``k x W`` grid), as FSDP's collectives need;
-- the two halves of the window see alike lengths: the runs, longest first, are dealt alternately to the first and
-  the second half of the micro-batches (the halves in time of one process; which half takes the longer run of a pair
-  alternates) and, within a micro-batch, to the ranks
-  in a snake order (the rank groups of DDP). Sorted halves -- the short sequences in one half, the long in the
-  other -- would make the two halves' gradients differ for a reason that is not noise, and bias the similarity low.
+- the window's halves and ranks hold alike tokens of alike lengths: its samples, sorted longest first, are dealt in a
+  snake order to *cells* -- each rank's share, and where the halves are in time (one process, FSDP2) each rank's
+  share of each half -- so every cell spans every length and the cells' tokens differ by at most one sequence.
+  Halves of unequal tokens, or the short sequences in one half and the long in the other, would make the halves'
+  gradients differ for a reason that is not noise and bias the similarity low;
+- samples of similar length share a slot: each cell's samples are cut into runs, longest first, which cuts padding
+  as a length-grouped sampler does without changing which samples the window holds;
+- every rank runs the same number of micro-batches (a window is a ``k x W`` grid), as FSDP's collectives need: a
+  cell that needs fewer runs than another has its runs dealt into more parts.
 
 The window's :attr:`~lightning_simigrad.core.plan.Window.order` lays its samples out slot by slot.
 
@@ -51,36 +52,40 @@ def _runs(order: list[int], lengths: Sequence[int], max_tokens: int | None, max_
 
 
 def _split_largest(runs: list[list[int]], slots: int) -> list[list[int]]:
-    """Split the runs of most samples in two until there are ``slots`` (or every run holds one sample); a part of a
-    run pads to no more than the run did."""
-    runs = list(runs)
-    while len(runs) < slots:
-        widest = max(range(len(runs)), key=lambda r: len(runs[r]))
-        run = runs[widest]
-        if len(run) < 2:
-            break
-        runs[widest : widest + 1] = [run[: (len(run) + 1) // 2], run[(len(run) + 1) // 2 :]]
-    return runs
+    """Split runs into parts until there are ``slots`` (or every part holds one sample): each new part goes to the
+    run whose parts are then the largest, so a run cut into ``m`` parts gives parts within one sample of each other
+    (three slots from one run: thirds, not a half and two quarters). A part of a run pads to no more than the run.
 
+    A run is dealt to its parts in turn, not cut in pieces: it is sorted longest first, and cut, its long sequences
+    would go to one micro-batch and its short ones to the next. Dealt, two parts' tokens differ by at most the run's
+    longest less its shortest.
 
-def _deal_order(num_micro_batches: int, world_size: int) -> list[tuple[int, int]]:
-    """The ``(micro, rank)`` slots in the order runs are dealt: micro-batches alternately from the first half and the
-    second (which of the two goes first alternates too), ranks in a snake within each.
-
-    >>> _deal_order(4, 2)
-    [(0, 0), (0, 1), (2, 1), (2, 0), (3, 0), (3, 1), (1, 1), (1, 0)]
+    >>> _split_largest([[0, 1, 2, 3, 4]], 2)
+    [[0, 2, 4], [1, 3]]
+    >>> _split_largest([[0, 1, 2, 3, 4, 5], [6]], 4)
+    [[0, 3], [1, 4], [2, 5], [6]]
     """
-    half = num_micro_batches // 2
-    first, second = list(range(half)), list(range(half, num_micro_batches))
-    micros: list[int] = []
-    for pair, (a, b) in enumerate(zip(first, second, strict=False)):
-        micros += [a, b] if pair % 2 == 0 else [b, a]  # neither half always takes the longer of a pair
-    micros += second[len(first) :]  # an odd count's last micro-batch
-    slots = []
-    for visit, micro in enumerate(micros):
-        ranks = range(world_size) if visit % 2 == 0 else range(world_size - 1, -1, -1)
-        slots += [(micro, rank) for rank in ranks]
-    return slots
+    parts = [1] * len(runs)
+    while runs and sum(parts) < slots:
+        widest = max(range(len(runs)), key=lambda r: len(runs[r]) / parts[r])
+        if len(runs[widest]) <= parts[widest]:
+            break  # every part holds one sample
+        parts[widest] += 1
+    return [run[j::m] for run, m in zip(runs, parts, strict=True) for j in range(m)]
+
+
+def _deal_to_cells(order: list[int], cells: int) -> list[list[int]]:
+    """The window's samples, sorted longest first, dealt to ``cells`` in a snake order: each cell spans every length
+    and the cells' tokens differ by at most the longest sequence.
+
+    >>> _deal_to_cells([0, 1, 2, 3, 4, 5], 2)
+    [[0, 3, 4], [1, 2, 5]]
+    """
+    dealt: list[list[int]] = [[] for _ in range(cells)]
+    for i, sample in enumerate(order):
+        lap, seat = divmod(i, cells)
+        dealt[seat if lap % 2 == 0 else cells - 1 - seat].append(sample)
+    return dealt
 
 
 def plan_token_window(
@@ -93,33 +98,37 @@ def plan_token_window(
 ) -> Window:
     """Cut a window holding samples of these ``lengths`` (in the epoch's order) into a ``k x W`` grid of slots.
 
-    ``k`` is the fewest micro-batches the caps allow, at least ``min_micro_batches`` (even if asked), and at most
-    what gives every slot a sample; a slot is empty (0 samples, which the data path fills with one zero-weight
-    sample) only where the caps need more slots than the window has samples. Weights are the slots' tokens, unpadded.
+    ``k`` is the fewest micro-batches the caps allow for every cell (see the module's notes), at least
+    ``min_micro_batches`` (even if asked), and at most what gives every slot a sample; a slot is empty (0 samples,
+    which the data path fills with one zero-weight sample) only where the caps need more slots than the window has
+    samples. Weights are the slots' tokens, unpadded.
 
     >>> window = plan_token_window([2, 9, 3, 8, 2, 7], world_size=1, max_micro_batch_tokens=16, max_micro_batch_size=8,
     ...                            min_micro_batches=2, even_micro_batches=True)
     >>> window.sizes, window.weights, window.order
-    (((1,), (1,), (2,), (2,)), ((9,), (2,), (15,), (5,)), (1, 4, 3, 5, 2, 0))
+    (((1,), (2,), (2,), (1,)), ((9,), (5,), (15,), (2,)), (1, 2, 0, 3, 5, 4))
 
-    (Runs within 16 padded tokens, longest first: [9], [8, 7], [3, 2, 2]; four micro-batches for even halves split
-    the widest run into [3, 2] and [2]; dealt to the halves A, B, B, A: micro-batches 0 and 2 take [9] and [8, 7],
-    3 and 1 take [3, 2] and [2].)
+    (Sorted longest first, 9 8 7 3 2 2, dealt in a snake to the halves: A takes 9, 3, 2 and B 8, 7, 2, 14 tokens
+    against 17; within 16 padded tokens A runs [9] and [3, 2], B [8, 7] and [2].)
     """
     n = len(lengths)
     if n == 0:
         raise ValueError("a window needs at least one sample")
     order = sorted(range(n), key=lambda i: (-lengths[i], i))  # longest first, ties in the epoch's order
-    runs = _runs(order, lengths, max_micro_batch_tokens, max_micro_batch_size)
-    fewest = math.ceil(len(runs) / world_size)  # the caps' minimum
-    k = max(fewest, min(max(min_micro_batches, fewest), max(1, n // world_size)))
-    if even_micro_batches and k % 2 and k < n // world_size:
-        k += 1
-    runs = _split_largest(runs, k * world_size)
-    runs.sort(key=lambda run: (-lengths[run[0]], run[0]))  # longest first again, after the splits
+    # the cells: each rank's share, and with halves in time each rank's share of each half
+    halves = 2 if even_micro_batches and n // world_size >= 2 else 1
+    cells = _deal_to_cells(order, halves * world_size)
+    cell_runs = [_runs(cell, lengths, max_micro_batch_tokens, max_micro_batch_size) for cell in cells]
+    fewest = max(len(runs) for runs in cell_runs)  # the caps' minimum, per cell
+    per_cell = max(fewest, min(math.ceil(min_micro_batches / halves), max(1, min(len(c) for c in cells))))
+    k = halves * per_cell
     slots: dict[tuple[int, int], list[int]] = {}
-    for slot, run in zip(_deal_order(k, world_size), runs, strict=False):
-        slots[slot] = run
+    for index in range(len(cells)):
+        half, rank = divmod(index, world_size)
+        parts = _split_largest(cell_runs[index], per_cell)
+        parts.sort(key=lambda part: (-lengths[part[0]], part[0]))  # longest first
+        for j, part in enumerate(parts):
+            slots[(half * per_cell + j, rank)] = part
     sizes, weights, laid_out = [], [], []
     for micro in range(k):
         row_sizes, row_weights = [], []

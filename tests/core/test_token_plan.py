@@ -61,6 +61,22 @@ def test_the_halves_see_alike_lengths() -> None:
     assert abs(sum(a) / len(a) - sum(b) / len(b)) < 0.1 * mean
 
 
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_a_window_of_one_run_splits_into_halves_of_alike_tokens(world: int) -> None:
+    # the whole window fits one micro-batch's bound: it is one run, split for the halves (and the ranks); cut in
+    # the middle of its sorted order, one half held the long sequences: 643 tokens against 170 (W = 1)
+    rng = random.Random(0)
+    lengths = [rng.randint(1, 40) for _ in range(40 * world)]
+    window = plan_token_window(lengths, world, 4096, 10**9, min_micro_batches=2, even_micro_batches=world == 1)
+    if world == 1:
+        half = window.half_split()
+        parts = [sum(t for m, _, s in slots(window, lengths) if (m >= half) == b for t in s) for b in (False, True)]
+    else:  # DDP's rank groups: the first floor(W / 2) ranks against the rest, per rank
+        parts = [sum(t for _, r, s in slots(window, lengths) if r == rank for t in s) for rank in range(world)]
+    assert max(parts) - min(parts) <= max(lengths) - min(lengths)  # within one sequence's spread, not a sort
+    assert max(parts) < 1.1 * min(parts)
+
+
 def test_more_slots_than_samples_leaves_a_slot_empty() -> None:
     # three sequences that each fill a micro-batch, on two ranks: two micro-batches, one slot empty
     window = plan_token_window([50, 50, 50], 2, max_micro_batch_tokens=50, max_micro_batch_size=8)

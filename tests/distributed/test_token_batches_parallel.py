@@ -1,7 +1,8 @@
 """Batches counted in tokens across ranks: DDP at W = 2 and 3 (the halves are rank groups), FSDP2 at W = 2 (halves in
-time) and FSDP1 at W = 2 (two rank groups inside its reduce-scatter), on gloo. Every rank runs the same micro-batches per window whatever the lengths, no padded
-micro-batch exceeds `max_micro_batch_tokens`, every step's logged batch is the tokens of all ranks' samples, every
-sample is trained once per epoch, and every step's gradient is the float64 mean over the labelled tokens of all ranks.
+time) and FSDP1 at W = 2 (two rank groups inside its reduce-scatter), on gloo. Every rank runs the same micro-batches
+per window whatever the lengths, no padded micro-batch exceeds `max_micro_batch_tokens`, every step's logged batch is
+the tokens of all ranks' samples, every sample is trained once per epoch, and every step's gradient is the float64
+mean over the labelled tokens of all ranks.
 """
 
 from __future__ import annotations

@@ -123,7 +123,8 @@ def test_grouping_by_length_cuts_padding() -> None:
     for batch in loader:
         plain.seen.append((indices_of(batch), batch["input_ids"].numel()))
     ours, theirs = padding_fraction(grouped, lengths), padding_fraction(plain, lengths)
-    assert ours < 0.5 * theirs, (ours, theirs)
+    # grouped within each half (the halves are balanced first, see core/token_plan.py): 0.23 against 0.30 here
+    assert ours < 0.85 * theirs, (ours, theirs)
 
 
 class SaveInsideWindow(pl.Callback):
