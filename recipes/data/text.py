@@ -152,6 +152,45 @@ def _encode(tokenizer: PreTrainedTokenizerFast, lines: list[str]) -> np.ndarray:
     return np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32)
 
 
+def cache_folder(
+    cache_dir: Path, name: str, settings: dict[str, Any], documents: list[Document], tokenizer_path: str | None
+) -> Path:
+    """``cache_dir/<name>-<digest>``: the digest of ``settings`` (what the ids depend on besides the text), the
+    documents' names, sizes and modification times, and the files of a tokenizer given by path."""
+    key: dict[str, Any] = {
+        **settings,
+        "documents": [
+            [title, doc.stat().st_size, doc.stat().st_mtime_ns] if isinstance(doc, Path) else [title, len(doc)]
+            for title, doc in documents
+        ],
+    }
+    if tokenizer_path:  # a tokenizer given by path: its files are part of what the ids mean
+        key["tokenizer_files"] = sorted(
+            [p.name, p.stat().st_size, p.stat().st_mtime_ns]
+            for p in Path(tokenizer_path).expanduser().glob("*")
+            if p.is_file()
+        )
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_dir / f"{name}-{digest}"
+
+
+def save_cache(
+    folder: Path, tokenizer: PreTrainedTokenizerFast, arrays: dict[str, np.ndarray], done: dict[str, Any]
+) -> None:
+    """Write ``tokenizer/``, ``<name>.npy`` per array and ``done`` into a scratch folder and rename it into place, so a
+    reader never sees half a cache."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+    tokenizer.save_pretrained(str(scratch / "tokenizer"))
+    for name, array in arrays.items():
+        np.save(scratch / f"{name}.npy", array)
+    (scratch / "done").write_text(json.dumps(done))
+    try:
+        scratch.rename(folder)
+    except OSError:  # another process finished the same cache first: keep theirs
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
 class TokenBlocks(Dataset[dict[str, torch.Tensor]]):
     """Blocks ``[CLS] t_i .. t_{i+n} [SEP]`` cut from one token stream."""
 
@@ -310,41 +349,20 @@ class MaskedTextDataModule(RecipeDataModule):
 
     # -- cache -----------------------------------------------------------------------------------------
     def _cache_folder(self, documents: list[Document]) -> Path:
-        key: dict[str, Any] = {
+        settings: dict[str, Any] = {
             "format": 1,
             "source": self.source,
             "split": self.split,
             "val_fraction": self.val_fraction if self.split == "documents" else None,
             "tokenizer": {k: self.tokenizer_cfg.get(k) for k in ("path", "train", "vocab_size", "lowercase")},
-            "documents": [
-                [name, doc.stat().st_size, doc.stat().st_mtime_ns] if isinstance(doc, Path) else [name, len(doc)]
-                for name, doc in documents
-            ],
         }
-        path = self.tokenizer_cfg.get("path")
-        if path:  # a tokenizer given by path: its files are part of what the ids mean
-            key["tokenizer_files"] = sorted(
-                [p.name, p.stat().st_size, p.stat().st_mtime_ns]
-                for p in Path(path).expanduser().glob("*")
-                if p.is_file()
-            )
-        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
         assert self.cache_dir is not None
-        return self.cache_dir / f"{self.source}-{digest}"
+        return cache_folder(self.cache_dir, self.source, settings, documents, self.tokenizer_cfg.get("path"))
 
     def _save(self, folder: Path, streams: list[np.ndarray]) -> None:
-        """Write into a scratch folder and rename it into place, so a reader never sees half a cache."""
         assert self.tokenizer is not None
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        scratch = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
-        self.tokenizer.save_pretrained(str(scratch / "tokenizer"))
-        for name, tokens in zip(("train", "val"), streams):
-            np.save(scratch / f"{name}.npy", np.asarray(tokens, dtype=np.int32))
-        (scratch / "done").write_text(json.dumps({"train_tokens": len(streams[0]), "val_tokens": len(streams[1])}))
-        try:
-            scratch.rename(folder)
-        except OSError:  # another process finished the same cache first: keep theirs
-            shutil.rmtree(scratch, ignore_errors=True)
+        arrays = {name: np.asarray(tokens, dtype=np.int32) for name, tokens in zip(("train", "val"), streams)}
+        save_cache(folder, self.tokenizer, arrays, {"train_tokens": len(streams[0]), "val_tokens": len(streams[1])})
 
     def model_kwargs(self) -> dict[str, Any]:
         self.check_inputs()
