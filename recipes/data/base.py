@@ -80,3 +80,19 @@ class RecipeDataModule(pl.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader[Any]:
         return self._loader(self.val_set, self.val_batch_size, shuffle=False)
+
+
+class TokenizedDataModule(RecipeDataModule):
+    """A DataModule of token ids whose model takes its vocabulary, padding id and longest sequence from the data."""
+
+    tokenizer: Any = None  # set by ``_build()``: a ``transformers`` fast tokenizer
+    max_seq_length: int
+
+    def model_kwargs(self) -> dict[str, Any]:
+        self.check_inputs()
+        assert self.tokenizer is not None
+        return {
+            "vocab_size": len(self.tokenizer),
+            "pad_token_id": self.tokenizer.pad_token_id,
+            "max_seq_length": self.max_seq_length,
+        }

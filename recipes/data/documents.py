@@ -30,7 +30,7 @@ from tokenizers import ByteLevelBPETokenizer
 from torch.utils.data import Dataset
 from transformers import PreTrainedTokenizerFast
 
-from lightning_simigrad_recipes.data.base import RecipeDataModule
+from lightning_simigrad_recipes.data.base import TokenizedDataModule
 from lightning_simigrad_recipes.data.text import (
     SOURCES,
     Document,
@@ -150,7 +150,7 @@ class PadToLongest:
         return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
-class DocumentsDataModule(RecipeDataModule):
+class DocumentsDataModule(TokenizedDataModule):
     """A corpus of documents for causal-LM training, split by document, in samples of varied lengths.
 
     Args:
@@ -250,12 +250,3 @@ class DocumentsDataModule(RecipeDataModule):
         self.check_inputs()
         assert isinstance(self.train_set, DocumentPieces)
         return self.train_set.lengths
-
-    def model_kwargs(self) -> dict[str, Any]:
-        self.check_inputs()
-        assert self.tokenizer is not None
-        return {
-            "vocab_size": len(self.tokenizer),
-            "pad_token_id": self.tokenizer.pad_token_id,
-            "max_seq_length": self.max_seq_length,
-        }

@@ -29,7 +29,7 @@ import torch
 from torch.utils.data import Dataset
 from transformers import PreTrainedTokenizerFast
 
-from lightning_simigrad_recipes.data.base import RecipeDataModule
+from lightning_simigrad_recipes.data.base import TokenizedDataModule
 from lightning_simigrad_recipes.data.squad_eval import postprocess_predictions, score
 from lightning_simigrad_recipes.data.tokenizer import build_tokenizer
 from lightning_simigrad_recipes.errors import RecipeError
@@ -260,7 +260,7 @@ class SquadFeatureDataset(Dataset[dict[str, torch.Tensor]]):
         return item
 
 
-class SquadDataModule(RecipeDataModule):
+class SquadDataModule(TokenizedDataModule):
     """SQuAD v1.1: training windows with answer labels, dev windows scored by exact match and F1.
 
     Args:
@@ -333,15 +333,6 @@ class SquadDataModule(RecipeDataModule):
         self.eval_examples = eval_examples
         self.eval_features = prepare_features(eval_examples, self.tokenizer, **window, keep_offsets=True)
         self.val_set = SquadFeatureDataset(self.eval_features, with_index=True)
-
-    def model_kwargs(self) -> dict[str, Any]:
-        self.check_inputs()
-        assert self.tokenizer is not None
-        return {
-            "vocab_size": len(self.tokenizer),
-            "pad_token_id": self.tokenizer.pad_token_id,
-            "max_seq_length": self.max_seq_length,
-        }
 
     def evaluate(
         self,

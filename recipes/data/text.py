@@ -34,7 +34,7 @@ import torch
 from torch.utils.data import Dataset, default_collate
 from transformers import DataCollatorForLanguageModeling, PreTrainedTokenizerFast
 
-from lightning_simigrad_recipes.data.base import RecipeDataModule
+from lightning_simigrad_recipes.data.base import TokenizedDataModule
 from lightning_simigrad_recipes.data.tokenizer import build_tokenizer, load_tokenizer
 from lightning_simigrad_recipes.errors import RecipeError
 
@@ -219,7 +219,7 @@ class MaskedBlocks(Dataset[dict[str, torch.Tensor]]):
         return {"input_ids": self.input_ids[index], "labels": self.labels[index]}
 
 
-class MaskedTextDataModule(RecipeDataModule):
+class MaskedTextDataModule(TokenizedDataModule):
     """Text corpus for BERT masked-LM pretraining.
 
     Args:
@@ -363,12 +363,3 @@ class MaskedTextDataModule(RecipeDataModule):
         assert self.tokenizer is not None
         arrays = {name: np.asarray(tokens, dtype=np.int32) for name, tokens in zip(("train", "val"), streams)}
         save_cache(folder, self.tokenizer, arrays, {"train_tokens": len(streams[0]), "val_tokens": len(streams[1])})
-
-    def model_kwargs(self) -> dict[str, Any]:
-        self.check_inputs()
-        assert self.tokenizer is not None
-        return {
-            "vocab_size": len(self.tokenizer),
-            "pad_token_id": self.tokenizer.pad_token_id,
-            "max_seq_length": self.max_seq_length,
-        }

@@ -25,7 +25,7 @@ import torch
 from torch.utils.data import ConcatDataset, Dataset, default_collate
 from transformers import DataCollatorForLanguageModeling, PreTrainedTokenizerFast
 
-from lightning_simigrad_recipes.data.base import RecipeDataModule
+from lightning_simigrad_recipes.data.base import TokenizedDataModule
 from lightning_simigrad_recipes.data.prepare_text import FORMAT, INDEX, SPLITS
 from lightning_simigrad_recipes.data.text import TokenBlocks
 from lightning_simigrad_recipes.data.tokenizer import load_tokenizer
@@ -83,7 +83,7 @@ class FixedMaskBlocks(Dataset[dict[str, torch.Tensor]]):
         return {"input_ids": masked["input_ids"][0], "labels": masked["labels"][0]}
 
 
-class TokenShardsDataModule(RecipeDataModule):
+class TokenShardsDataModule(TokenizedDataModule):
     """Token shards prepared by ``simigrad-prepare-text``, for BERT masked-LM pretraining.
 
     Args:
@@ -190,12 +190,3 @@ class TokenShardsDataModule(RecipeDataModule):
         if isinstance(self.val_set, FixedMaskBlocks):  # masked by the dataset: stack, do not mask again
             loader.collate_fn = default_collate
         return loader
-
-    def model_kwargs(self) -> dict[str, Any]:
-        self.check_inputs()
-        assert self.tokenizer is not None
-        return {
-            "vocab_size": len(self.tokenizer),
-            "pad_token_id": self.tokenizer.pad_token_id,
-            "max_seq_length": self.max_seq_length,
-        }

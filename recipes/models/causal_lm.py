@@ -22,7 +22,7 @@ from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from lightning_simigrad_recipes.errors import RecipeError
-from lightning_simigrad_recipes.models.common import OptimizerFactory, SchedulerFactory, configure
+from lightning_simigrad_recipes.models.common import OptimizerFactory, SchedulerFactory, configure, shard_blocks
 from lightning_simigrad_recipes.models.masked_lm import _for_sharded_parameters
 
 
@@ -76,18 +76,7 @@ class CausalLM(pl.LightningModule):
 
     def configure_model(self) -> None:
         """Under ``ModelParallelStrategy``: ``fully_shard`` per transformer block, then the root, over the data mesh."""
-        from lightning.pytorch.strategies import ModelParallelStrategy
-
-        strategy = getattr(self._trainer, "strategy", None)
-        if not isinstance(strategy, ModelParallelStrategy) or getattr(self, "fully_sharded", False):
-            return
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = self.device_mesh["data_parallel"]  # type: ignore[index]
-        for block in self.gpt.transformer.h:
-            fully_shard(block, mesh=mesh)
-        fully_shard(self, mesh=mesh)
-        self.fully_sharded = True
+        shard_blocks(self, self.gpt.transformer.h)
 
     @staticmethod
     def loss_items(batch: dict[str, torch.Tensor]) -> torch.Tensor:

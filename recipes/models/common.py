@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from torch import nn
 
@@ -47,3 +48,23 @@ def configure(
     else:
         schedule = scheduler(opt)
     return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule, "interval": interval}}
+
+
+def shard_blocks(module: pl.LightningModule, blocks: Iterable[nn.Module]) -> None:
+    """``configure_model`` of the language models: under Lightning's ``ModelParallelStrategy`` (``trainer=fsdp``),
+    ``fully_shard`` every block, then the whole module (whatever is left forms the root's unit), over the data mesh;
+    once. Every other strategy sees the unsharded module. FSDP2 gathers a unit's parameters around its ``forward``,
+    so the modules' ``training_step`` and ``validation_step`` go through ``forward``."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    strategy = getattr(getattr(module, "_trainer", None), "strategy", None)
+    if not isinstance(strategy, ModelParallelStrategy) or getattr(module, "fully_sharded", False):
+        return
+    from torch.distributed.fsdp import fully_shard
+
+    assert module.device_mesh is not None  # the strategy sets it before configure_model
+    mesh = module.device_mesh["data_parallel"]
+    for block in blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(module, mesh=mesh)
+    setattr(module, "fully_sharded", True)  # noqa: B010 -- read by configure_optimizers

@@ -22,7 +22,7 @@ from transformers import BertForMaskedLM
 
 from lightning_simigrad_recipes.errors import RecipeError
 from lightning_simigrad_recipes.models.bert_config import bert_config
-from lightning_simigrad_recipes.models.common import OptimizerFactory, SchedulerFactory, configure
+from lightning_simigrad_recipes.models.common import OptimizerFactory, SchedulerFactory, configure, shard_blocks
 from lightning_simigrad_recipes.models.pretrained import load_pretrained
 from lightning_simigrad_recipes.optim import ShardedLamb
 
@@ -67,18 +67,7 @@ class MaskedLM(pl.LightningModule):
 
     def configure_model(self) -> None:
         """Under ``ModelParallelStrategy``: ``fully_shard`` per encoder layer, then the root, over the data mesh."""
-        from lightning.pytorch.strategies import ModelParallelStrategy
-
-        strategy = getattr(self._trainer, "strategy", None)
-        if not isinstance(strategy, ModelParallelStrategy) or getattr(self, "fully_sharded", False):
-            return
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = self.device_mesh["data_parallel"]  # type: ignore[index]
-        for layer in self.bert.bert.encoder.layer:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(self, mesh=mesh)
-        self.fully_sharded = True
+        shard_blocks(self, self.bert.bert.encoder.layer)
 
     @staticmethod
     def loss_items(batch: dict[str, torch.Tensor]) -> torch.Tensor:
