@@ -64,6 +64,10 @@ class Reporting:
         if run.settings.counts_tokens:  # the batch counts tokens: its samples beside it, and the fit's tokens
             row["simigrad/batch_samples"] = float(step.samples)
             row["simigrad/tokens_seen"] = float(run.counts.weight_seen)
+            # the noise scale counts samples (the halves' statistics do); in the batch's unit, at the step's tokens
+            # per sample (docs/measurement.md, "In tokens")
+            per_sample = step.weight / step.samples if step.samples else math.nan
+            row["simigrad/noise_scale_tokens"] = run.controller.noise_scale * per_sample
         if self.history_size != 0:
             self.history.append({"step": float(step.index), **{k.split("/", 1)[1]: v for k, v in row.items()}})
             if self.history_size is not None and len(self.history) > self.history_size:

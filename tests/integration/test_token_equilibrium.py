@@ -6,8 +6,8 @@ The noise of a step of whole sequences holding ``T`` tokens is ``B_tok |G|^2 / T
 noise scale ``B_tok = d (sigma^2 + sigma_s^2 E[n^2] / E[n])``, and the paper controller holds the halves'
 similarity at ``tau``, hence the batch at ``B* = 2 B_tok tau / (1 - tau)`` tokens.
 
-The logged noise scale counts samples (sequences) of the token-weighted gradient: times the step's tokens per
-sample (``batch_size / batch_samples``) it reads ``B_tok``.
+The logged noise scale counts samples (sequences) of the token-weighted gradient; ``noise_scale_tokens``, the same
+times the step's tokens per sample (``batch_size / batch_samples``), reads ``B_tok``.
 
 Seeds 0-9 (the test runs seed 0), at either cap (the same steps, halves and figures at both), settled / B*:
 independent tokens 0.89-1.00, correlated tokens 0.91-1.01; the noise scale in tokens / B_tok: 0.97-1.03 and
@@ -61,7 +61,7 @@ def settle(shared: float, cap: int, seed: int = 0) -> dict:
         "steps": steps.steps,
         "lengths": lengths,
         "settled": statistics.median(h["batch_size"] for h in rows),
-        "noise_tokens": statistics.mean(h["noise_scale"] * h["batch_size"] / h["batch_samples"] for h in rows),
+        "noise_tokens": statistics.mean(h["noise_scale_tokens"] for h in rows),
         "similarity": statistics.mean(h["similarity"] for h in rows),
     }
 
