@@ -3,8 +3,9 @@
     python benchmarks/overhead.py                   # the MLP, ~5 minutes on 2 CPU cores
     python benchmarks/overhead.py --model all       # also ResNet-18 and a tiny BERT (many parameter tensors)
     python benchmarks/overhead.py --model resnet18 --pairs 3 --steps 12 --micro 8
+    python benchmarks/overhead.py --sides all --pairs 10   # also each half of the change alone
 
-Models: ``mlp`` (512-2048-2048-2048-10: 10.5M parameters in 8 tensors), ``resnet18`` (torchvision's, 32x32
+Models: ``mlp`` (512-2048-2048-2048-10: 9.5M parameters in 8 tensors), ``resnet18`` (torchvision's, 32x32
 inputs: 11M parameters in 62 tensors) and ``bert_tiny`` (a 4-layer BERT masked LM from a config, hidden size 128:
 1.4M parameters in 72 tensors). The many-tensor models show what the measurement costs per parameter tensor,
 which is what a GPU's kernel launches pay for (``benchmarks/launches.py`` counts the ops).
@@ -15,11 +16,17 @@ every step but keeps the batch fixed, so the sides do the same arithmetic otherw
 on CPU the large gradient tensors' products and the halves' addition stream through the cache chunk by chunk,
 ``measurement._dots.STREAM_AT_LEAST``, and the second half accumulates into the buffers the previous window's
 first half let go) and as it was (*before*: every tensor through the fused multi-tensor ops, three norms and the
-addition, four passes over memory; and the second half's backward allocating fresh gradient tensors, which on CPU
-are new pages from the operating system). The sides run in turn, round by round, in this one process, the order
-rotating; each round's ratio compares the median optimizer-step times
+addition, four passes over memory; and the second half keeping its first backward's tensor, as plain keeps the
+first micro-batch's, so one more gradient-sized block is freed each window). The sides run in turn, round by
+round, in this one process, the order rotating; each round's ratio compares the median optimizer-step times
 (wall and CPU) of the fits, and the medians over rounds are printed last, with the minor page faults per step
 (``resource.getrusage``). Goal: CPU-time ratio <= 1.05, page faults within 10% of plain's.
+
+``--sides all`` adds the two halves of the change alone: *stream-fresh* (streaming, no spare) and *fused-spare*
+(the fused ops, with the spare). Every backward allocates its output either way. The spare spends a -0.0 fill and
+an addition (4 gradients of traffic a window) so that a window frees what plain accumulation frees. That is worth
+it where the C allocator hands a freed gradient's pages back to the system and they fault in again. These sides
+show which costs more on the machine at hand.
 """
 
 from __future__ import annotations
@@ -111,7 +118,7 @@ class StepTimer(pl.Callback):
 
 
 class DropSpare(pl.Callback):
-    """*Before*: no spare kept between windows, so every window's second half allocates its gradient afresh."""
+    """No spare kept between windows (*before*, *stream-fresh*): every second half allocates its gradient afresh."""
 
     def __init__(self, simigrad: SimiGrad) -> None:
         self.simigrad = simigrad
@@ -120,7 +127,8 @@ class DropSpare(pl.Callback):
         self.simigrad.run.measurement.halves.aside.drop()
 
 
-SIDES = ("plain", "before", "after")
+# side -> (stream the large tensors through the cache, keep the spare between windows)
+DESIGNS = {"before": (False, False), "after": (True, True), "stream-fresh": (True, False), "fused-spare": (False, True)}
 
 
 def timed_fit(side: str, steps: int, data: TensorDataset, micro: int, name: str = "mlp") -> tuple[float, float, float]:
@@ -130,10 +138,11 @@ def timed_fit(side: str, steps: int, data: TensorDataset, micro: int, name: str 
     if side != "plain":
         simigrad = SimiGrad(target_similarity=0.8, adjust=False)
         callbacks.insert(0, simigrad)
-        if side == "before":
+        stream, spare = DESIGNS[side]
+        if not spare:
             callbacks.append(DropSpare(simigrad))
-    # *before*: no tensor is large enough to stream; every one goes through the fused ops
-    _dots.STREAM_AT_LEAST = math.inf if side == "before" else STREAM_AT_LEAST
+        # not streaming: no tensor is large enough to stream; every one goes through the fused ops
+        _dots.STREAM_AT_LEAST = STREAM_AT_LEAST if stream else math.inf
     trainer = pl.Trainer(
         accelerator="cpu",
         max_steps=steps,
@@ -154,12 +163,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--micro", type=int, default=16, help="micro-batch size (the window is 4 of them)")
     parser.add_argument("--model", choices=("mlp", "resnet18", "bert_tiny", "all"), default="mlp")
+    parser.add_argument(
+        "--sides", choices=("before-after", "all"), default="before-after",
+        help="all: also stream-fresh and fused-spare, each half of the change alone",
+    )  # fmt: skip
     args = parser.parse_args()
+    designs = ("before", "after") if args.sides == "before-after" else tuple(DESIGNS)
     for name in ("mlp", "resnet18", "bert_tiny") if args.model == "all" else (args.model,):
-        measure(name, args.pairs, args.steps, args.micro)
+        measure(name, args.pairs, args.steps, args.micro, designs)
 
 
-def measure(name: str, rounds: int, steps: int, micro: int) -> None:
+def measure(name: str, rounds: int, steps: int, micro: int, designs: tuple[str, ...] = ("before", "after")) -> None:
     n = micro * WINDOW * (steps + 2)
     data = _data(name, n)
     net = _net(name)
@@ -169,35 +183,37 @@ def measure(name: str, rounds: int, steps: int, micro: int) -> None:
         f"model {name}: {params / 1e6:.1f}M parameters in {tensors} tensors; micro-batch {micro}, window {WINDOW},"
         f" {threads} threads"
     )
-    wall: dict[str, list[float]] = {"before": [], "after": []}
-    cpu: dict[str, list[float]] = {"before": [], "after": []}
-    faults: dict[str, list[float]] = {side: [] for side in SIDES}
+    sides = ("plain", *designs)
+    wall: dict[str, list[float]] = {side: [] for side in designs}
+    cpu: dict[str, list[float]] = {side: [] for side in designs}
+    faults: dict[str, list[float]] = {side: [] for side in sides}
     for round_ in range(rounds):
         # rotate which side runs first, so drift in the machine's speed falls on all
-        order = SIDES[round_ % 3 :] + SIDES[: round_ % 3]
+        first = round_ % len(sides)
+        order = sides[first:] + sides[:first]
         times = {side: timed_fit(side, steps, data, micro, name) for side in order}
-        for side in ("before", "after"):
+        for side in designs:
             wall[side].append(times[side][0] / times["plain"][0])
             cpu[side].append(times[side][1] / times["plain"][1])
-        for side in SIDES:
+        for side in sides:
             faults[side].append(times[side][2])
         print(
             f"round {round_}: plain {times['plain'][0] * 1e3:7.1f} ms/step"
             + "".join(
                 f"   {side} {times[side][0] * 1e3:7.1f} ms/step (wall {wall[side][-1]:.3f}, CPU {cpu[side][-1]:.3f})"
-                for side in ("before", "after")
+                for side in designs
             )
             + "   page faults/step "
-            + " / ".join(f"{times[side][2]:.0f}" for side in SIDES)
+            + " / ".join(f"{times[side][2]:.0f}" for side in sides)
         )
-    for side in ("before", "after"):
+    for side in designs:
         print(
             f"{name}: SimiGrad(adjust=False) {side} / plain accumulation: median wall-time ratio"
             f" {statistics.median(wall[side]):.3f}, median CPU-time ratio {statistics.median(cpu[side]):.3f}"
         )
     print(
-        f"{name}: minor page faults per step (median): plain {statistics.median(faults['plain']):.0f}, before"
-        f" {statistics.median(faults['before']):.0f}, after {statistics.median(faults['after']):.0f}"
+        f"{name}: minor page faults per step (median): "
+        + ", ".join(f"{side} {statistics.median(faults[side]):.0f}" for side in sides)
     )
 
 

@@ -86,9 +86,14 @@ class MoveAside:
     products were read, and set to -0.0 at the midpoint (two fused ops). -0.0 + x is x bitwise, so the backward's
     in-place accumulation leaves exactly what it would leave in fresh tensors, and the gradient is bitwise what it
     is without a spare. Without one (the first window, a parameter that had no gradient), ``p.grad = None`` and the
-    backward allocates fresh tensors, as in plain training. So after the first window the measurement allocates no
-    gradient-sized memory: the window allocates its first half as plain accumulation does (after ``zero_grad``),
-    and the second half reuses what the previous window let go. The cost is one gradient held between windows
+    second half keeps its first backward's tensor, as plain training keeps the first micro-batch's.
+
+    Every backward writes a fresh tensor either way (autograd adds it into ``p.grad`` or keeps it), so the spare
+    saves no allocation. What it changes is which blocks are freed: with it, a window frees what plain accumulation
+    frees, when it frees it; without it, one more gradient-sized block is freed at each window's end. Where the C
+    allocator returns such a block's pages to the system, that costs page faults on the next window. The spare pays
+    a fill and one addition (4 gradients of memory traffic a window) to avoid that. Which costs more depends on the
+    allocator (docs/measurement.md, "Where the cost sits"). The cost in memory is one gradient held between windows
     (held from the midpoint to the window's end without a spare): the extra resident memory stays one gradient.
     """
 
