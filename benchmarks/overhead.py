@@ -4,11 +4,14 @@
     python benchmarks/overhead.py --model all       # also ResNet-18 and a tiny BERT (many parameter tensors)
     python benchmarks/overhead.py --model resnet18 --pairs 3 --steps 12 --micro 8
     python benchmarks/overhead.py --sides all --pairs 10   # also each half of the change alone
+    python benchmarks/overhead.py --model tiny --pairs 8 --steps 60   # the callback's fixed cost per step
 
 Models: ``mlp`` (512-2048-2048-2048-10: 9.5M parameters in 8 tensors), ``resnet18`` (torchvision's, 32x32
 inputs: 11M parameters in 62 tensors) and ``bert_tiny`` (a 4-layer BERT masked LM from a config, hidden size 128:
-1.4M parameters in 72 tensors). The many-tensor models show what the measurement costs per parameter tensor,
-which is what a GPU's kernel launches pay for (``benchmarks/launches.py`` counts the ops).
+1.4M parameters in 72 tensors). ``tiny`` (512-16-10: 8.4k parameters) has next to no arithmetic, so the
+difference in milliseconds per step it prints is the callback's fixed cost on the host: its hooks, the data path's
+planning, Lightning's dispatch to one more callback. The many-tensor models show what the measurement costs per
+parameter tensor, which is what a GPU's kernel launches pay for (``benchmarks/launches.py`` counts the ops).
 
 Every side trains the same model with the same micro-batch (``--micro``, 16) and window (4 micro-batches):
 plain Lightning with ``accumulate_grad_batches=4``, and SimiGrad with ``adjust=False`` (it measures the halves
@@ -50,6 +53,8 @@ WINDOW = 4
 
 
 def _net(name: str) -> nn.Module:
+    if name == "tiny":
+        return nn.Sequential(nn.Linear(512, 16), nn.ReLU(), nn.Linear(16, 10))
     if name == "mlp":
         return nn.Sequential(
             nn.Linear(512, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(),
@@ -68,7 +73,7 @@ def _net(name: str) -> nn.Module:
 
 
 def _data(name: str, n: int) -> TensorDataset:
-    if name == "mlp":
+    if name in ("mlp", "tiny"):
         return TensorDataset(torch.randn(n, 512), torch.randint(0, 10, (n,)))
     if name == "resnet18":
         return TensorDataset(torch.randn(n, 3, 32, 32), torch.randint(0, 10, (n,)))
@@ -162,7 +167,7 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=7, help="rounds of the three sides")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--micro", type=int, default=16, help="micro-batch size (the window is 4 of them)")
-    parser.add_argument("--model", choices=("mlp", "resnet18", "bert_tiny", "all"), default="mlp")
+    parser.add_argument("--model", choices=("mlp", "tiny", "resnet18", "bert_tiny", "all"), default="mlp")
     parser.add_argument(
         "--sides", choices=("before-after", "all"), default="before-after",
         help="all: also stream-fresh and fused-spare, each half of the change alone",
@@ -180,12 +185,13 @@ def measure(name: str, rounds: int, steps: int, micro: int, designs: tuple[str, 
     params, tensors = sum(p.numel() for p in net.parameters()), len(list(net.parameters()))
     threads = torch.get_num_threads()
     print(
-        f"model {name}: {params / 1e6:.1f}M parameters in {tensors} tensors; micro-batch {micro}, window {WINDOW},"
+        f"model {name}: {params:,} parameters in {tensors} tensors; micro-batch {micro}, window {WINDOW},"
         f" {threads} threads"
     )
     sides = ("plain", *designs)
     wall: dict[str, list[float]] = {side: [] for side in designs}
     cpu: dict[str, list[float]] = {side: [] for side in designs}
+    extra: dict[str, list[float]] = {side: [] for side in designs}  # wall ms per step more than plain
     faults: dict[str, list[float]] = {side: [] for side in sides}
     for round_ in range(rounds):
         # rotate which side runs first, so drift in the machine's speed falls on all
@@ -195,6 +201,7 @@ def measure(name: str, rounds: int, steps: int, micro: int, designs: tuple[str, 
         for side in designs:
             wall[side].append(times[side][0] / times["plain"][0])
             cpu[side].append(times[side][1] / times["plain"][1])
+            extra[side].append((times[side][0] - times["plain"][0]) * 1e3)
         for side in sides:
             faults[side].append(times[side][2])
         print(
@@ -209,7 +216,8 @@ def measure(name: str, rounds: int, steps: int, micro: int, designs: tuple[str, 
     for side in designs:
         print(
             f"{name}: SimiGrad(adjust=False) {side} / plain accumulation: median wall-time ratio"
-            f" {statistics.median(wall[side]):.3f}, median CPU-time ratio {statistics.median(cpu[side]):.3f}"
+            f" {statistics.median(wall[side]):.3f} ({statistics.median(extra[side]):+.2f} ms per step), median CPU-time"
+            f" ratio {statistics.median(cpu[side]):.3f}"
         )
     print(
         f"{name}: minor page faults per step (median): "
