@@ -1,6 +1,6 @@
 """Step-time overhead of SimiGrad on one process, against plain Lightning accumulation.
 
-    python benchmarks/overhead.py                   # the MLP, ~5 minutes on 2 CPU cores
+    python benchmarks/overhead.py                   # the MLP, ~1 minute on 2 quiet CPU cores
     python benchmarks/overhead.py --model all       # also ResNet-18 and a tiny BERT (many parameter tensors)
     python benchmarks/overhead.py --model resnet18 --pairs 3 --steps 12 --micro 8
     python benchmarks/overhead.py --sides all --pairs 10   # also each half of the change alone
@@ -123,7 +123,7 @@ class StepTimer(pl.Callback):
 
 
 class DropSpare(pl.Callback):
-    """No spare kept between windows (*before*, *stream-fresh*): every second half allocates its gradient afresh."""
+    """No spare kept between windows (*before*, *stream-fresh*): every second half keeps its first backward's tensor."""
 
     def __init__(self, simigrad: SimiGrad) -> None:
         self.simigrad = simigrad
@@ -164,7 +164,7 @@ def timed_fit(side: str, steps: int, data: TensorDataset, micro: int, name: str 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pairs", type=int, default=7, help="rounds of the three sides")
+    parser.add_argument("--pairs", type=int, default=7, help="rounds of every side")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--micro", type=int, default=16, help="micro-batch size (the window is 4 of them)")
     parser.add_argument("--model", choices=("mlp", "tiny", "resnet18", "bert_tiny", "all"), default="mlp")
