@@ -51,7 +51,7 @@ from lightning_simigrad.state.resume import (
     position_of,
     without_state,
 )
-from lightning_simigrad.state.rng import rng_state
+from lightning_simigrad.state.rng import RngSnapshot
 
 __all__ = ["MicroBatch", "Run", "Step"]
 
@@ -162,7 +162,7 @@ class Run:
         self.fed = [0, 0]  # samples whose backward ran in this window: first half, second half (all ranks)
         self.fed_weight = 0  # their weight
         self.lr_factor = 1.0
-        self.window_rng: dict[str, Any] | None = None  # the generator states as the current window started
+        self.window_rng: RngSnapshot | None = None  # the generator states as the current window started
         # with `loss_items`: every loss item of a step weighs 1 / (the step's items); else every sample 1 / N
         self.items = LossItems(settings.loss_items, world_size) if settings.loss_items is not None else None
         self.resumption = restore(self, restart, warn, info) if restart is not None else Resumption()
@@ -205,7 +205,7 @@ class Run:
         window, micro = self.schedule.current.next_micro_batch()
         self.window, self.micro = window, micro
         if micro == 0:
-            self.window_rng = rng_state()  # a checkpoint written inside this window resumes from its start
+            self.window_rng = RngSnapshot()  # a checkpoint written inside this window resumes from its start
             self.fed, self.fed_weight = [0, 0], 0
         self.measurement.start_micro_batch(window, micro, params)
         local = window.sizes[micro][self.rank]
@@ -298,7 +298,7 @@ class Run:
     def generators_to_save(self) -> dict[str, Any]:
         """This rank's generator states a checkpoint written now records (see :class:`Resumption`)."""
         inside = self.schedule.current.inside_window
-        return self.resumption.to_save(self.window_rng if inside else None)
+        return self.resumption.to_save(self.window_rng.state() if inside and self.window_rng is not None else None)
 
     def scheduled_size(self, trained: int) -> int:
         """A fixed schedule's batch size after ``trained`` weight, within this fit's bounds (the smallest batch a

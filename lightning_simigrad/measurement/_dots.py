@@ -94,37 +94,42 @@ def scratch_bytes(device: torch.device) -> int:
     return 2 * DEVICE_CHUNK * torch.empty((), dtype=wide_dtype(device)).element_size()
 
 
-def _total(parts: list[Tensor], shape: tuple[int, ...], device: torch.device) -> Tensor:
-    wide = wide_dtype(device)
-    if not parts:
-        return torch.zeros(shape, dtype=wide, device=device)
-    return torch.stack(parts).to(wide).sum(dim=0)
-
-
 def _chunked(a: Tensor, b: Tensor | None, add: bool, summed_rows: bool = False) -> Tensor:
     """The products of ``a`` (and ``b``) chunk by chunk; ``b += a`` chunk by chunk when ``add``.
 
     With ``summed_rows``, ``a`` is 2-D, ``(k, n)``, and its rows are summed into the first operand in the wide
     dtype, one chunk at a time, never in ``a``'s own precision.
+
+    Each chunk costs its products (and addition) and nothing more: the chunks' views come from one ``split``
+    each, operands already in the products' dtype are used as they are, and the products are stacked once at
+    the end. Every further op per chunk would cost the host a few microseconds, tens of chunks per window.
     """
     chunk, dtype = _plan(a)
-    rows = a if summed_rows else a.view(1, -1)
-    flat_b = b.view(-1) if b is not None else None
-    parts = []
-    for start in range(0, rows.shape[1], chunk):
-        raw_x = rows[0, start : start + chunk]
-        x = rows[:, start : start + chunk].sum(0, dtype=dtype) if summed_rows else raw_x.to(dtype)
-        if flat_b is None:
-            parts.append(torch.dot(x, x))
+    firsts = a.split(chunk, dim=1) if summed_rows else a.view(-1).split(chunk)
+    seconds = b.view(-1).split(chunk) if b is not None else None
+    products: list[Tensor] = []
+    for i, raw_x in enumerate(firsts):
+        x = raw_x.sum(0, dtype=dtype) if summed_rows else _as(raw_x, dtype)
+        if seconds is None:
+            products.append(torch.dot(x, x))
         else:
-            raw_y = flat_b[start : start + chunk]
-            y = raw_y.to(dtype)
-            parts.append(torch.stack([torch.dot(x, x), torch.dot(x, y), torch.dot(y, y)]))
+            raw_y = seconds[i]
+            y = _as(raw_y, dtype)
+            products += (torch.dot(x, x), torch.dot(x, y), torch.dot(y, y))
             if add:
                 raw_y.add_(raw_x)  # the chunk is still in cache
             del y
         del x  # released before the next chunk is converted: two converted chunks at most
-    return _total(parts, (3,) if b is not None else (), a.device)
+    wide = wide_dtype(a.device)
+    if not products:
+        return torch.zeros((3,) if b is not None else (), dtype=wide, device=a.device)
+    stacked = torch.stack(products).to(wide)
+    return stacked.view(-1, 3).sum(dim=0) if b is not None else stacked.sum()
+
+
+def _as(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """``x`` in ``dtype``, itself when it is already (no dispatch for a conversion that does nothing)."""
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 def gram(a: Tensor, b: Tensor) -> Tensor:

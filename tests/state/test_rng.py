@@ -8,7 +8,7 @@ import numpy
 import torch
 
 from lightning_simigrad.state.gather import every_rank
-from lightning_simigrad.state.rng import rng_state, set_rng_state
+from lightning_simigrad.state.rng import RngSnapshot, rng_state, set_rng_state
 
 
 def draws() -> tuple:
@@ -30,3 +30,16 @@ def test_one_process_gathers_its_own_state_only():
     state = rng_state()
     assert every_rank(state) == [state]
     assert set(state) >= {"torch", "python", "numpy"} and isinstance(state["torch"], bytes)
+
+
+def test_a_snapshot_keeps_the_states_it_was_taken_at_while_the_generators_draw_on():
+    torch.manual_seed(2)
+    random.seed(2)
+    numpy.random.seed(2)
+    then = rng_state()
+    snapshot = RngSnapshot()  # what a window's start takes; converted only if a checkpoint is written in the window
+    first = draws()
+    draws()
+    assert snapshot.state() == then
+    set_rng_state(snapshot.state())
+    assert draws() == first
