@@ -3,7 +3,6 @@
     python benchmarks/overhead.py                   # the MLP, ~1 minute on 2 quiet CPU cores
     python benchmarks/overhead.py --model all       # also ResNet-18 and a tiny BERT (many parameter tensors)
     python benchmarks/overhead.py --model resnet18 --pairs 3 --steps 12 --micro 8
-    python benchmarks/overhead.py --sides all --pairs 10   # also each half of the change alone
     python benchmarks/overhead.py --model tiny --pairs 8 --steps 60   # the callback's fixed cost per step
 
 Models: ``mlp`` (512-2048-2048-2048-10: 9.5M parameters in 8 tensors), ``resnet18`` (torchvision's, 32x32
@@ -17,10 +16,9 @@ Every side trains the same model with the same micro-batch (``--micro``, 16) and
 plain Lightning with ``accumulate_grad_batches=4``, and SimiGrad with ``adjust=False`` (it measures the halves
 every step but keeps the batch fixed, so the sides do the same arithmetic otherwise), twice: as it is (*after*:
 on CPU the large gradient tensors' products and the halves' addition stream through the cache chunk by chunk,
-``measurement._dots.STREAM_AT_LEAST``, and the second half accumulates into the buffers the previous window's
-first half let go) and as it was (*before*: every tensor through the fused multi-tensor ops, three norms and the
-addition, four passes over memory; and the second half keeping its first backward's tensor, as plain keeps the
-first micro-batch's, so one more gradient-sized block is freed each window). The sides run in turn, round by
+``measurement._dots.STREAM_AT_LEAST``) and as it was (*before*: every tensor through the fused multi-tensor ops,
+three norms and the addition, four passes over memory). Either way the second half keeps its first backward's
+tensor, as plain keeps the first micro-batch's. The sides run in turn, round by
 round, in this one process, the order rotating; each round's ratio compares the median optimizer-step times
 (wall and CPU) of the fits, and the medians over rounds are printed last, with the minor page faults per step
 (``resource.getrusage``). Goal: CPU-time ratio <= 1.05, page faults within 10% of plain's.
@@ -29,12 +27,6 @@ Last, the floor: what the window's end computes (the three products and the join
 as the model's gradient, against the join's addition alone, as a share of plain's step in CPU time. Plain
 accumulation does that addition too, so the products are what no design that takes them with torch's kernels
 avoids (for the MLP on a 2-vCPU AMD EPYC: 5.2% of plain's step, before the callback's fixed host cost).
-
-``--sides all`` adds the two halves of the change alone: *stream-fresh* (streaming, no spare) and *fused-spare*
-(the fused ops, with the spare). Every backward allocates its output either way. The spare spends a -0.0 fill and
-an addition (4 gradients of traffic a window) so that a window frees what plain accumulation frees. That is worth
-it where the C allocator hands a freed gradient's pages back to the system and they fault in again. These sides
-show which costs more on the machine at hand.
 """
 
 from __future__ import annotations
@@ -127,18 +119,8 @@ class StepTimer(pl.Callback):
         self._last = now
 
 
-class DropSpare(pl.Callback):
-    """No spare kept between windows (*before*, *stream-fresh*): every second half keeps its first backward's tensor."""
-
-    def __init__(self, simigrad: SimiGrad) -> None:
-        self.simigrad = simigrad
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.simigrad.run.measurement.halves.aside.drop()
-
-
-# side -> (stream the large tensors through the cache, keep the spare between windows)
-DESIGNS = {"before": (False, False), "after": (True, True), "stream-fresh": (True, False), "fused-spare": (False, True)}
+# side -> stream the large tensors through the cache (else every one goes through the fused ops)
+STREAMS = {"before": False, "after": True}
 
 
 def timed_fit(side: str, steps: int, data: TensorDataset, micro: int, name: str = "mlp") -> tuple[float, float, float]:
@@ -148,11 +130,8 @@ def timed_fit(side: str, steps: int, data: TensorDataset, micro: int, name: str 
     if side != "plain":
         simigrad = SimiGrad(target_similarity=0.8, adjust=False)
         callbacks.insert(0, simigrad)
-        stream, spare = DESIGNS[side]
-        if not spare:
-            callbacks.append(DropSpare(simigrad))
         # not streaming: no tensor is large enough to stream; every one goes through the fused ops
-        _dots.STREAM_AT_LEAST = STREAM_AT_LEAST if stream else math.inf
+        _dots.STREAM_AT_LEAST = STREAM_AT_LEAST if STREAMS[side] else math.inf
     trainer = pl.Trainer(
         accelerator="cpu",
         max_steps=steps,
@@ -173,14 +152,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--micro", type=int, default=16, help="micro-batch size (the window is 4 of them)")
     parser.add_argument("--model", choices=("mlp", "tiny", "resnet18", "bert_tiny", "all"), default="mlp")
-    parser.add_argument(
-        "--sides", choices=("before-after", "all"), default="before-after",
-        help="all: also stream-fresh and fused-spare, each half of the change alone",
-    )  # fmt: skip
     args = parser.parse_args()
-    designs = ("before", "after") if args.sides == "before-after" else tuple(DESIGNS)
     for name in ("mlp", "resnet18", "bert_tiny") if args.model == "all" else (args.model,):
-        measure(name, args.pairs, args.steps, args.micro, designs)
+        measure(name, args.pairs, args.steps, args.micro)
 
 
 def measure(name: str, rounds: int, steps: int, micro: int, designs: tuple[str, ...] = ("before", "after")) -> None:

@@ -32,7 +32,6 @@ __all__ = [
     "foreach_mul_",
     "foreach_sub",
     "foreach_norm",
-    "foreach_negative_zero_",
 ]
 
 CHECKED_LIGHTNING = "2.6"  # the minor version every member below was read in (pyproject pins it)
@@ -85,7 +84,6 @@ PRIVATE_MEMBERS: tuple[Private, ...] = (
     Private("torch", "_foreach_add_", "re-joins the halves in one fused op, whatever the number of tensors", "torch"),
     Private("torch", "_foreach_mul", "FSDP1: copies the first half's shards in one op", "torch"),
     Private("torch", "_foreach_sub", "FSDP1: the second half's shards (the window's less the first's)", "torch"),
-    Private("torch", "_foreach_copy_", "sets the spare half's buffers to -0.0 in one fused op", "torch"),
 )
 
 
@@ -179,20 +177,6 @@ def foreach_copy(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 def foreach_sub(tensors: list[torch.Tensor], others: list[torch.Tensor]) -> list[torch.Tensor]:
     """New tensors ``tensors[i] - others[i]``, in one fused kernel per device and dtype."""
     return list(torch._foreach_sub(tensors, others))
-
-
-def foreach_negative_zero_(tensors: list[torch.Tensor]) -> None:
-    """Every element of ``tensors`` set to -0.0 (the additive identity of IEEE floats: -0.0 + x is x bitwise, also
-    for x = +0.0, where +0.0 + x would turn -0.0 into +0.0), in one fused op that writes and reads nothing else."""
-    zeros: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}  # one per dtype and device, made there (no copy)
-    sources = []
-    for t in tensors:
-        key = (t.dtype, t.device)
-        if key not in zeros:
-            zeros[key] = torch.full((), -0.0, dtype=t.dtype, device=t.device)
-        sources.append(zeros[key].expand_as(t))
-    if tensors:
-        torch._foreach_copy_(tensors, sources)
 
 
 def foreach_norm(tensors: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:

@@ -79,54 +79,30 @@ class LocalPieces:
 
 class MoveAside:
     """The first half's gradient taken off the parameters at the midpoint (a move, no copy), so the second half
-    accumulates on its own; at the end its products are taken and it is added into the second half's gradient (the
-    addition plain accumulation does anyway).
+    accumulates on its own: ``p.grad = None``, and the second half keeps its first backward's tensor, as plain
+    accumulation keeps the first micro-batch's. At the end the first half's products are taken and it is added into
+    the second half's gradient (the addition plain accumulation does anyway).
 
-    The second half accumulates into a *spare*: the buffers of the previous window's first half, kept once their
-    products were read, and set to -0.0 at the midpoint (two fused ops). -0.0 + x is x bitwise, so the backward's
-    in-place accumulation leaves exactly what it would leave in fresh tensors, and the gradient is bitwise what it
-    is without a spare. Without one (the first window, a parameter that had no gradient), ``p.grad = None`` and the
-    second half keeps its first backward's tensor, as plain training keeps the first micro-batch's.
+    Every backward writes a fresh tensor, in plain accumulation too (autograd adds it into ``p.grad`` or keeps it).
+    So this allocates what plain allocates, as often, and moves no more bytes: the second half's first backward
+    skips one of plain's additions and the join pays it back. What differs is that one more gradient-sized block
+    lives through the second half, until the products have been read: the extra resident memory is one gradient,
+    during the second half only.
 
-    Every backward writes a fresh tensor either way (autograd adds it into ``p.grad`` or keeps it), so the spare
-    saves no allocation. What it changes is which blocks are freed: with it, a window frees what plain accumulation
-    frees, when it frees it; without it, one more gradient-sized block is freed at each window's end. Where the C
-    allocator returns such a block's pages to the system, that costs page faults on the next window. The spare pays
-    a fill and one addition (4 gradients of memory traffic a window) to avoid that. Which costs more depends on the
-    allocator (docs/measurement.md, "Where the cost sits"). The cost in memory is one gradient held between windows
-    (held from the midpoint to the window's end without a spare): the extra resident memory stays one gradient.
+    (A *spare* was tried and removed: the previous window's first-half buffers, kept between windows and set to -0.0
+    for the second half to accumulate into, so that a window would free the blocks plain frees. Its fill and extra
+    addition cost 4 gradients of traffic a window and one gradient held all the time; it paid against page faults on
+    one host and cost on another. docs/measurement.md, "Where the cost sits".)
     """
 
-    def __init__(self) -> None:
-        self._spare: dict[int, Tensor] = {}  # id(parameter) -> a buffer shaped as its gradient, free to overwrite
-
     def set_aside(self, pieces: Pieces, params: Sequence[Tensor]) -> list[tuple[Tensor, Tensor]]:
-        first, spares, handed = [], [], []
+        first = []
         for p in params:
             grad = p.grad
-            if grad is None:
-                continue
-            first.append((p, grad))
-            spare = self._spare.pop(id(p), None)
-            if spare is not None and _fits(spare, grad):
-                spares.append(spare)
-                handed.append((p, spare))
-            p.grad = None
-        self._spare.clear()  # what was not handed out belongs to parameters that have no gradient now
-        if spares:
-            _compat.foreach_negative_zero_([pieces.storage(t) for t in spares])
-            for p, spare in handed:
-                p.grad = spare
+            if grad is not None:
+                first.append((p, grad))
+                p.grad = None
         return first
-
-    def keep(self, first: Sequence[tuple[Tensor, Tensor]]) -> None:
-        """The first half's buffers are free (their products were read, or they were added back): the next window's
-        second half accumulates into them."""
-        self._spare = {id(p): kept for p, kept in first}
-
-    def drop(self) -> None:
-        """Release the spare (the fit is over)."""
-        self._spare = {}
 
     @torch.no_grad()
     def restore(self, pieces: Pieces, first: list[tuple[Tensor, Tensor]]) -> None:
@@ -142,7 +118,6 @@ class MoveAside:
             _compat.foreach_add_([storage(g) for g, _ in pairs], [storage(f) for _, f in pairs])
             for _, kept in pairs:  # rare (an abandoned window): one call per tensor is fine here
                 read_on_current_stream(storage(kept))
-        self.keep([(p, kept) for p, kept in first if p.grad is not kept])
 
     @torch.no_grad()
     def combine(
@@ -170,18 +145,6 @@ class MoveAside:
         return gram_and_add_all_(firsts, seconds, first_only, second_only, weights), firsts
 
 
-def _fits(spare: Tensor, grad: Tensor) -> bool:
-    """``spare`` can stand in for ``grad`` (the same layout), and is not the gradient itself."""
-    return (
-        spare is not grad
-        and spare.shape == grad.shape
-        and spare.dtype == grad.dtype
-        and spare.device == grad.device
-        and spare.stride() == grad.stride()
-        and type(spare) is type(grad)
-    )
-
-
 class CopyAside:
     """FSDP1: the midpoint's backward reduce-scattered the first half into the parameters' gradient shards, which
     FSDP1 keeps and adds the second half into. So the first half's shards are copied (one fused op), and at the end
@@ -196,12 +159,6 @@ class CopyAside:
             return []
         copies = _compat.foreach_copy([p.grad for p in with_grad])  # type: ignore[misc]
         return list(zip(with_grad, copies, strict=True))
-
-    def keep(self, first: Sequence[tuple[Tensor, Tensor]]) -> None:
-        """Nothing to reuse: the copies are made by one fused op that allocates them."""
-
-    def drop(self) -> None:
-        pass
 
     def restore(self, pieces: Pieces, first: list[tuple[Tensor, Tensor]]) -> None:
         """Forget the copy: the parameters' gradients hold all of both halves already."""
@@ -256,7 +213,6 @@ class TimeHalves:
         # set-aside tensors the queued products still read, dropped once they have been read to the host
         self._read: list[Tensor] = []
         self._products: Finished | None = None  # the last backward's, until the window's end
-        self._joined: list[tuple[Tensor, Tensor]] = []  # (parameter, first half) added into the gradient, until read
 
     @property
     def holds_first_half(self) -> bool:
@@ -287,7 +243,6 @@ class TimeHalves:
             # still scaled alike. Each half is the mean of the samples it fed.
             products, read = self.aside.combine(self.pieces, self._first, params)
             self._release_read()
-            self._joined = [(p, kept) for p, kept in self._first if p.grad is not kept]
             self._read, self._first = read, []
             self._products = Finished(products, (fed[0], fed[1], window.total))
 
@@ -300,10 +255,8 @@ class TimeHalves:
         return measured
 
     def after_read(self) -> None:
-        # every op that read the set-aside tensors is done: the next window's second half may overwrite them
+        # every op that read the set-aside tensors is done: they may be freed
         self._read = []
-        joined, self._joined = self._joined, []
-        self.aside.keep(joined)
 
     @staticmethod
     def shares(sums: tuple[float, float, float, float]) -> tuple[float, float, float]:
@@ -316,7 +269,6 @@ class TimeHalves:
 
     def close(self) -> None:
         self.abort()
-        self.aside.drop()
 
     def restore(self) -> None:
         """Give the first half back to the gradient, unmeasured."""
@@ -328,7 +280,7 @@ class TimeHalves:
         """Forget set-aside tensors still held for the products' reads, marking them where that is needed."""
         for tensor in self._read:
             read_on_current_stream(tensor)
-        self._read, self._joined = [], []
+        self._read = []
 
 
 def read_on_current_stream(tensor: Tensor) -> None:

@@ -95,7 +95,7 @@ def test_after_the_first_window_the_measurement_allocates_no_gradient_sized_bloc
         return torch.cuda.memory_stats()["allocation.large_pool.allocated"] - before
 
     measured = window_halves()
-    for _ in range(3):  # warm up both: the first window of the measurement has no spare yet
+    for _ in range(3):  # warm up both: the caching allocator reserves its blocks in the first windows
         one_window(None)
         one_window(measured)
     plain = [one_window(None) for _ in range(3)]

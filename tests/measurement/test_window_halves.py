@@ -98,65 +98,37 @@ def test_an_aborted_window_gives_its_first_half_back_and_nothing_reaches_the_nex
     assert torch.equal(flat([p.grad for p in params]), flat(halves_joined(next_grads)))
 
 
-# ------------------------------------------------------------------- the spare: the previous window's first half
-class SignedZeros(torch.nn.Module):
-    """A small network, and a parameter whose gradient is exact -0.0 (:meth:`loss` adds ``(idle * -0.0).sum()``),
-    which a buffer filled with +0.0 would turn into +0.0."""
+# ------------------------------------------------------------- memory: what the halves hold, and for how long
+def test_the_second_half_keeps_its_first_backwards_tensor_and_the_first_half_is_freed_once_read():
+    """Real backward passes (autograd's own accumulation): the measurement allocates nothing gradient-sized of its
+    own, and holds one more gradient than plain accumulation only from the midpoint until the products are read."""
+    import gc
+    import weakref
 
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.Tanh(), torch.nn.Linear(32, 3))
-        self.idle = torch.nn.Parameter(torch.ones(3))
-
-    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        mse = torch.nn.functional.mse_loss(self.net(x), y, reduction="sum") / 16
-        return mse + (self.idle * torch.full((3,), -0.0)).sum()
-
-
-def backward_windows(measurement, fresh: bool, windows: int = 4) -> list[tuple]:
-    """Windows of real backward passes (autograd's in-place accumulation) through ``measurement``; each window's
-    gradient and statistics, and where each gradient lived after the second half's first backward."""
-    model = SignedZeros()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.Tanh(), torch.nn.Linear(32, 3))
     params = list(model.parameters())
+    measurement = window_halves()
     g = torch.Generator().manual_seed(3)
-    out = []
-    for _ in range(windows):
-        if fresh:
-            measurement.halves.aside.drop()  # no spare: the second half allocates, as without one
+    for _ in range(3):
         for p in params:
             p.grad = None  # Lightning's zero_grad(set_to_none=True)
-        w, fed, second_half = window(), [0, 0], None
+        w, fed, first_half, second_half = window(), [0, 0], [], []
         for j, n in enumerate(SIZES):
             measurement.start_micro_batch(w, j, params)
-            x, y = torch.randn(n, 6, generator=g), torch.randn(n, 3, generator=g)
-            model.loss(x, y).backward()
             if j == w.half_split():
-                second_half = [p.grad.data_ptr() for p in params]
+                assert all(p.grad is None for p in params)  # the first half moved aside, not copied
+            x, y = torch.randn(n, 6, generator=g), torch.randn(n, 3, generator=g)
+            torch.nn.functional.mse_loss(model(x), y, reduction="sum").div(16).backward()
+            if j == w.half_split() - 1:
+                first_half = [weakref.ref(p.grad) for p in params]
+            if j == w.half_split():
+                second_half = [p.grad for p in params]
             fed[j >= w.half_split()] += n
             measurement.after_backward(w, j, (fed[0], fed[1]), params)
-        # the first half's buffers themselves: held here, so that memory freed by a dropped spare cannot come back
-        # to a fresh gradient at the same address and pass for the spare
-        first_half = [kept for _, kept in measurement.halves._joined]
-        stats = measurement.collect(None)
-        out.append(([p.grad.clone() for p in params], stats, second_half, first_half))
-    return out
-
-
-def test_the_spare_leaves_every_gradient_bitwise_as_fresh_buffers_leave_it():
-    reused, fresh = backward_windows(window_halves(), fresh=False), backward_windows(window_halves(), fresh=True)
-    for (grads, stats, _, _), (fresh_grads, fresh_stats, _, _) in zip(reused, fresh, strict=True):
-        for grad, reference in zip(grads, fresh_grads, strict=True):
-            assert torch.equal(grad, reference)
-            assert torch.equal(grad.signbit(), reference.signbit())  # -0.0 stays -0.0
-        assert stats == fresh_stats
-    assert all(grads[0].signbit().all() and not grads[0].any() for grads, *_ in reused)  # `idle`'s: -0.0
-
-
-def test_after_the_first_window_the_second_half_allocates_no_gradient():
-    windows = backward_windows(window_halves(), fresh=False)
-    for previous, current in zip(windows, windows[1:]):
-        # the second half accumulated into the buffers the previous window's first half let go
-        assert current[2] == [kept.data_ptr() for kept in previous[3]]
-    fresh = backward_windows(window_halves(), fresh=True)
-    assert not set(fresh[1][2]) & {kept.data_ptr() for kept in fresh[0][3]}  # without the spare, fresh buffers
+        assert measurement.collect(None) is not None
+        # the window's gradient lives in the tensors the second half's first backward made, as plain keeps the first
+        assert all(p.grad is kept for p, kept in zip(params, second_half, strict=True))
+        del second_half
+        gc.collect()
+        assert all(ref() is None for ref in first_half)  # read and added back: nothing held into the next window
