@@ -157,7 +157,7 @@ def main() -> None:
         measure(name, args.pairs, args.steps, args.micro)
 
 
-def measure(name: str, rounds: int, steps: int, micro: int, designs: tuple[str, ...] = ("before", "after")) -> None:
+def measure(name: str, rounds: int, steps: int, micro: int) -> None:
     n = micro * WINDOW * (steps + 2)
     data = _data(name, n)
     net = _net(name)
@@ -167,6 +167,7 @@ def measure(name: str, rounds: int, steps: int, micro: int, designs: tuple[str, 
         f"model {name}: {params:,} parameters in {tensors} tensors; micro-batch {micro}, window {WINDOW},"
         f" {threads} threads"
     )
+    designs = tuple(STREAMS)  # the measured sides, each beside plain
     sides = ("plain", *designs)
     wall: dict[str, list[float]] = {side: [] for side in designs}
     cpu: dict[str, list[float]] = {side: [] for side in designs}

@@ -95,7 +95,7 @@ class MoveAside:
     one host and cost on another. docs/measurement.md, "Where the cost sits".)
     """
 
-    def set_aside(self, pieces: Pieces, params: Sequence[Tensor]) -> list[tuple[Tensor, Tensor]]:
+    def set_aside(self, params: Sequence[Tensor]) -> list[tuple[Tensor, Tensor]]:
         first = []
         for p in params:
             grad = p.grad
@@ -151,7 +151,7 @@ class CopyAside:
     the second half is taken as the window's gradient less the copy (one fused op); the gradient is never written."""
 
     @torch.no_grad()
-    def set_aside(self, pieces: Pieces, params: Sequence[Tensor]) -> list[tuple[Tensor, Tensor]]:
+    def set_aside(self, params: Sequence[Tensor]) -> list[tuple[Tensor, Tensor]]:
         with_grad = [p for p in params if p.grad is not None]
         if any(p.grad.shape != p.shape for p in with_grad):  # type: ignore[union-attr]
             # a gradient still unsharded: the midpoint's backward did not reduce (its `training_step` returned None
@@ -231,7 +231,7 @@ class TimeHalves:
         if index == window.half_split() and index > 0:
             # set aside before the second half's first backward (after any skipped micro-batch too)
             self.restore()
-            self._first = self.aside.set_aside(self.pieces, params)
+            self._first = self.aside.set_aside(params)
 
     @staticmethod
     def half_of(window: Window, index: int) -> int:

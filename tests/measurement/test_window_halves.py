@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -102,9 +105,6 @@ def test_an_aborted_window_gives_its_first_half_back_and_nothing_reaches_the_nex
 def test_the_second_half_keeps_its_first_backwards_tensor_and_the_first_half_is_freed_once_read():
     """Real backward passes (autograd's own accumulation): the measurement allocates nothing gradient-sized of its
     own, and holds one more gradient than plain accumulation only from the midpoint until the products are read."""
-    import gc
-    import weakref
-
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.Tanh(), torch.nn.Linear(32, 3))
     params = list(model.parameters())
