@@ -107,7 +107,8 @@ class Run:
         world_size, rank: the data-parallel group and this rank in it.
         seed: the shuffling seed, agreed on by every rank.
         initial_batch_size: B0.
-        epoch: returns the epoch being trained.
+        epoch: returns the training loop's epoch (the data's epoch, :meth:`epoch`, is this less the schedule's
+            ``epoch_offset``).
         measurement: measures each window's halves.
         restart: the checkpoint the fit resumes from, or None.
         warn, info: where the run's messages go (Lightning's integration passes its rank-zero warning and log).
@@ -128,26 +129,24 @@ class Run:
         warn: Callable[[str], None] = warnings.warn,
         info: Callable[[str], None] = _log.info,
     ) -> None:
-        self.settings, self.rank, self.epoch, self.measurement = settings, rank, epoch, measurement
+        self.settings, self.rank, self.measurement = settings, rank, measurement
+        self._loop_epoch = epoch
         self.facts = FitFacts(initial_batch_size, world_size, data.epoch_length)
         self.bounds = FitBounds(
             data, limits, world_size, initial_batch_size, settings.max_samples, settings.schedule_by_samples
         )
         min_micro_batches = measurement.min_micro_batches  # two halves: in time, or two groups of ranks
-        args = settings.controller_args(initial_batch_size, min_batch_size=world_size * min_micro_batches)
-        if args["max_batch_size"] is not None and args["max_batch_size"] < args["min_batch_size"]:
-            raise ValueError(
-                f"`max_batch_size` ({args['max_batch_size']}) is below the {args['min_batch_size']} samples a"
-                f" measurement needs with {world_size} rank(s). Raise it."
-            )
-        self.controller = BatchSizeController(**args)
+        smallest = smallest_measurable_batch(data, world_size * min_micro_batches)
+        self.controller = BatchSizeController(
+            **controller_args(settings, initial_batch_size, smallest, world_size, warn)
+        )
         self.schedule = WindowSchedule(
             batch_size=self.controller.batch_size,
             max_micro_batch_size=micro_batch_cap(settings, data),
             world_size=world_size,
             min_micro_batches=min_micro_batches,
             seed=seed,
-            epoch=epoch,
+            epoch=self.epoch,
             samples_left=self.samples_left,
             trained=lambda: self.counts.weight_seen,
             planner=None if settings.schedule is None else self.scheduled_size,
@@ -162,6 +161,8 @@ class Run:
         self.fed = [0, 0]  # samples whose backward ran in this window: first half, second half (all ranks)
         self.fed_weight = 0  # their weight
         self.lr_factor = 1.0
+        self._warn = warn
+        self._told_unmeasured = False  # a step that could not be measured is said once a fit
         self.window_rng: RngSnapshot | None = None  # the generator states as the current window started
         # with `loss_items`: every loss item of a step weighs 1 / (the step's items); else every sample 1 / N
         self.items = LossItems(settings.loss_items, world_size) if settings.loss_items is not None else None
@@ -181,9 +182,15 @@ class Run:
     def b0(self) -> int:
         return self.facts.initial_batch_size
 
+    def epoch(self) -> int:
+        """The epoch of the data being trained: the training loop's, unless a resume made them part
+        (:func:`~lightning_simigrad.state.resume.position_of`)."""
+        return self._loop_epoch() - self.schedule.epoch_offset
+
     def follow(self, epoch: Callable[[], int], measurement: Measurement) -> None:
         """A later fit continues the run: its epochs and its measurement from now on."""
-        self.epoch = self.schedule.epoch = epoch
+        self._loop_epoch = epoch
+        self.schedule.epoch_offset = 0
         self.measurement = measurement
 
     def reload(self, data: Data, limits: Limits) -> None:
@@ -251,6 +258,10 @@ class Run:
         epoch_span = self.counts.commit(samples=fed, weight=self.fed_weight, epoch_samples=window.total)
         if self.settings.schedule is not None:  # what the checkpoint and the readings show as the batch asked for
             self.schedule.batch_size = self.scheduled_size(self.counts.weight_seen)
+        unmeasured = stats is None or not math.isfinite(stats.similarity)
+        if unmeasured and self.settings.schedule is None and not self.done and not self._told_unmeasured:
+            self._told_unmeasured = True  # (the fit's last window, cut to what the budget left, may be too small)
+            self._warn(unmeasured_step(self.counts.steps - 1, fed, window))
         return Step(
             index=self.counts.steps - 1,
             samples=fed,
@@ -337,6 +348,62 @@ class Run:
         }
 
 
+@dataclass(frozen=True)
+class SmallestBatch:
+    """The smallest batch a measurement can be taken on: ``samples`` samples (one in each of the halves' slots on every
+    rank), which is ``size`` in what batch sizes count (tokens: at the data's mean tokens a sample)."""
+
+    samples: int
+    size: int
+    tokens: bool = False
+
+    def why(self, world_size: int) -> str:
+        """What the smallest batch is, in words."""
+        ranks = f"{world_size} rank(s)"
+        if not self.tokens:
+            return f"the {self.samples} samples a measurement needs on {ranks}"
+        return (
+            f"the {self.samples} sequences a measurement needs on {ranks}, {self.size} tokens at the training data's"
+            " mean tokens a sequence"
+        )
+
+
+def controller_args(
+    settings: Settings, initial_batch_size: int, smallest: SmallestBatch, world_size: int, warn: Callable[[str], None]
+) -> dict[str, Any]:
+    """The controller's arguments for this fit: its bounds no lower than ``smallest`` (a ``min_batch_size`` below it
+    is raised, with a warning; a ``max_batch_size`` below it refused)."""
+    args = settings.controller_args(initial_batch_size, min_batch_size=smallest.size)
+    if args["max_batch_size"] is not None and args["max_batch_size"] < args["min_batch_size"]:
+        raise ValueError(f"`max_batch_size` ({args['max_batch_size']}) is below {smallest.why(world_size)}. Raise it.")
+    if settings.min_batch_size is not None and settings.min_batch_size < smallest.size:
+        warn(
+            f"`min_batch_size={settings.min_batch_size}` is below {smallest.why(world_size)}: the batch never goes"
+            f" below {smallest.size}."
+        )
+    return args
+
+
+def unmeasured_step(index: int, samples: int, window: Window) -> str:
+    """The warning for a step whose halves could not be compared."""
+    return (
+        f"SimiGrad could not measure optimizer step {index}: its window held {samples} samples in micro-batches of"
+        f" {[list(sizes) for sizes in window.sizes]} (per rank), and its halves' similarity is NaN. The controller"
+        " holds the batch size through such steps; `simigrad/similarity` logs each as NaN. Said once per fit."
+    )
+
+
+def smallest_measurable_batch(data: Data, samples: int) -> SmallestBatch:
+    """The smallest batch a measurement can be taken on, for ``samples`` samples a measured window needs.
+
+    >>> smallest_measurable_batch(Data(100, 8, False, weight=1234), 2)
+    SmallestBatch(samples=2, size=25, tokens=True)
+    """
+    if data.weight is None or not data.epoch_length:
+        return SmallestBatch(samples, samples)
+    return SmallestBatch(samples, math.ceil(samples * data.weight / data.epoch_length), tokens=True)
+
+
 def micro_batch_cap(settings: Settings, data: Data) -> int:
     """Most samples of a slot: ``max_micro_batch_size``, else the DataLoader's batch, unless micro-batches are bounded
     in tokens (``max_micro_batch_tokens``), which then bound them alone."""
@@ -366,7 +433,10 @@ def restore(run: Run, restart: Restart, warn: Callable[[str], None], info: Calla
     batch_size = run.within_bounds(piece["batch_size"])
     planned = tuple(run.within_bounds(size) for size in piece["planned"])
     done = state["counts"]["epoch_samples_done"]
-    run.schedule.load_state_dict({**piece, "batch_size": batch_size}, ResumePoint(position.epoch, done, planned))
+    run.schedule.load_state_dict(
+        {**piece, "batch_size": batch_size, "epoch_offset": position.epoch_offset},
+        ResumePoint(position.epoch, done, planned),
+    )
     if batch_size != piece["batch_size"] or planned != tuple(piece["planned"]):
         bounds = (run.controller.min_batch_size, run.controller.max_batch_size)
         need = run.schedule.world_size * run.schedule.min_micro_batches

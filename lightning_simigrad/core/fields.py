@@ -27,18 +27,28 @@ __all__ = [
     "POSITIVE_INT",
     "POSITIVE_NUMBER",
     "Field",
+    "added_later",
     "check_piece",
     "list_of",
     "optional",
 ]
 
 
+_REQUIRED: Any = object()
+
+
 @dataclass(frozen=True)
 class Field:
-    """A field's check, and what its value must be (for the message when it is not)."""
+    """A field's check, what its value must be (for the message when it is not), and, for a field a later version
+    added, what a checkpoint written before it reads as (:func:`added_later`)."""
 
     check: Callable[[Any], bool]
     expected: str
+    default: Any = _REQUIRED
+
+    @property
+    def required(self) -> bool:
+        return self.default is _REQUIRED
 
 
 def _non_negative_int(value: Any) -> bool:
@@ -69,12 +79,23 @@ def optional(field: Field) -> Field:
     return Field(lambda v: v is None or field.check(v), f"{field.expected} or None")
 
 
+def added_later(field: Field, default: Any) -> Field:
+    """``field``, added to a piece after checkpoints were written without it: those read as ``default``.
+
+    >>> check_piece({}, {"epoch_offset": added_later(NON_NEGATIVE_INT, 0)}) is None
+    True
+    """
+    return Field(field.check, field.expected, default)
+
+
 def check_piece(piece: Mapping[str, Any], fields: Mapping[str, Field]) -> tuple[str, Any, str] | None:
     """The first field of ``piece`` that is missing or fails its check, as ``(name, value, expected)``; None if all
-    pass. A missing field reads as ``(name, ..., expected)``."""
+    pass. A missing field reads as ``(name, ..., expected)``, unless a later version added it."""
     for name, field in fields.items():
         if name not in piece:
-            return name, ..., field.expected
+            if field.required:
+                return name, ..., field.expected
+            continue
         if not field.check(piece[name]):
             return name, piece[name], field.expected
     return None

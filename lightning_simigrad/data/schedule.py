@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from lightning_simigrad.core.fields import NON_NEGATIVE_INT, POSITIVE_INT, Field, list_of
+from lightning_simigrad.core.fields import NON_NEGATIVE_INT, POSITIVE_INT, Field, added_later, list_of
 from lightning_simigrad.core.plan import Window, plan_window
 from lightning_simigrad.core.token_plan import plan_token_window
 
@@ -135,7 +135,7 @@ class WindowSchedule:
         world_size: number of ranks.
         min_micro_batches: 2 on one process (its halves are two halves of the window), else 1.
         seed: seed of the shuffling permutation; identical on all ranks.
-        epoch: returns the epoch being iterated (read when an epoch's iterator starts).
+        epoch: returns the epoch of the data being iterated (read when an epoch's iterator starts).
         epoch_limit: most samples an epoch feeds (None: the whole dataset).
         samples_left: returns how many samples the fit may still train (read when an epoch's iterator
             starts, when every window planned before has been trained); ``math.inf`` when unbounded.
@@ -163,22 +163,28 @@ class WindowSchedule:
     current: EpochPlan = field(default_factory=EpochPlan)
     # where a run resumed in the middle of an epoch picks it up
     resume_from: ResumePoint | None = None
+    # the training loop's epoch count less the data's epoch (``epoch``): 1 once a fit resumed from a checkpoint written
+    # where `max_steps` stopped an epoch, which Lightning counts as done and then finishes as its next epoch
+    epoch_offset: int = 0
 
     STATE_FIELDS: ClassVar[dict[str, Field]] = {
         "batch_size": POSITIVE_INT,
         "seed": NON_NEGATIVE_INT,
         "epoch": NON_NEGATIVE_INT,
         "planned": list_of(POSITIVE_INT, "a list of positive ints"),
+        "epoch_offset": added_later(NON_NEGATIVE_INT, 0),
     }
 
     def state_dict(self) -> dict[str, Any]:
-        """The schedule's piece of the checkpoint: the batch size asked for, the shuffling seed, the epoch being
-        trained and the batch sizes of the windows planned that no optimizer step has averaged yet."""
+        """The schedule's piece of the checkpoint: the batch size asked for, the shuffling seed, the data's epoch being
+        trained, the batch sizes of the windows planned that no optimizer step has averaged yet, and how far the
+        training loop's epoch count runs ahead of the data's."""
         return {
             "batch_size": self.batch_size,
             "seed": self.seed,
             "epoch": self.current.epoch,
             "planned": self.current.pending,
+            "epoch_offset": self.epoch_offset,
         }
 
     def load_state_dict(self, state: dict[str, Any], resume_from: ResumePoint | None = None) -> None:
@@ -186,7 +192,13 @@ class WindowSchedule:
         epoch starts at ``resume_from``."""
         self.batch_size = int(state["batch_size"])
         self.seed = int(state["seed"])
+        self.epoch_offset = int(state.get("epoch_offset", 0))
         self.resume_from = resume_from
+
+    def measurable(self) -> int:
+        """The fewest samples a measured window holds: one in each of the halves' slots on every rank (sequences,
+        where batches count tokens)."""
+        return self.world_size * self.min_micro_batches
 
     def requested(self, trained: int) -> int:
         """The batch size a window asks for when it starts after ``trained`` weight: the schedule's, or the

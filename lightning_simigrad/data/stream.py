@@ -17,9 +17,10 @@ once per pass; under ``drop_last`` the pass ends, for every rank, at the first w
 that reaches the fit's budget is cut to exactly what is left (its batches sliced).
 
 Resume: before drawing each window the loader's ``state_dict()`` is taken, if it has one; a checkpoint records,
-per rank, the state from before the first window no optimizer step has averaged
-(:meth:`StreamWindows.loader_state`), and the resumed loader starts there, planning the same windows again: the
-samples drawn ahead but not trained are drawn again, not lost.
+per rank, the position before the first window no optimizer step has averaged (:meth:`StreamWindows.position`),
+and the resumed loader starts there, planning the same windows again: the samples drawn ahead but not trained are
+drawn again, not lost. A window the fit's budget cut trained only the first samples it drew: the position after it
+is the loader's state before it and the samples of it this rank trained, which a resumed rank draws and passes over.
 """
 
 from __future__ import annotations
@@ -33,7 +34,15 @@ import torch
 from lightning_simigrad.core.plan import Window
 from lightning_simigrad.data.schedule import EpochPlan, WindowSchedule
 
-__all__ = ["Exchange", "StreamWindows", "count_samples", "micro_batches_for", "take_first"]
+__all__ = [
+    "Exchange",
+    "StreamPosition",
+    "StreamWindows",
+    "count_samples",
+    "drop_first",
+    "micro_batches_for",
+    "take_first",
+]
 
 # every rank's (sizes of the micro-batches it drew, its stream ran dry): one gather per window
 Exchange = Callable[[list[int], bool], list[tuple[list[int], bool]]]
@@ -79,17 +88,28 @@ def take_first(batch: Any, n: int) -> Any:
     return _cut(batch, n, size)
 
 
-def _cut(value: Any, n: int, size: int) -> Any:
+def drop_first(batch: Any, n: int) -> Any:
+    """A collated batch without its first ``n`` samples (what :func:`take_first` leaves).
+
+    >>> drop_first((torch.arange(4), ["a", "b", "c", "d"]), 3)
+    (tensor([3]), ['d'])
+    """
+    return _cut(batch, slice(n, None), count_samples(batch))
+
+
+def _cut(value: Any, part: int | slice, size: int) -> Any:
+    """``value``'s samples ``[:part]`` (an int) or ``[part]`` (a slice), along every first dimension of ``size``."""
+    cut = slice(None, part) if isinstance(part, int) else part
     if isinstance(value, torch.Tensor):
-        return value[:n] if value.dim() and value.shape[0] == size else value
+        return value[cut] if value.dim() and value.shape[0] == size else value
     if isinstance(value, Mapping):
-        return type(value)({key: _cut(item, n, size) for key, item in value.items()})  # type: ignore[call-arg]
+        return type(value)({key: _cut(item, part, size) for key, item in value.items()})  # type: ignore[call-arg]
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple
-        return type(value)(*(_cut(item, n, size) for item in value))
+        return type(value)(*(_cut(item, part, size) for item in value))
     if isinstance(value, (list, tuple)):
         if len(value) == size and not any(isinstance(item, torch.Tensor) for item in value):
-            return type(value)(value[:n])
-        return type(value)(_cut(item, n, size) for item in value)
+            return type(value)(value[cut])
+        return type(value)(_cut(item, part, size) for item in value)
     return value
 
 
@@ -105,6 +125,15 @@ def micro_batches_for(batch_size: int, world_size: int, loader_batch: int, min_m
     """
     m = max(min_micro_batches, 1, int(batch_size / (world_size * loader_batch) + 0.5))
     return m + 1 if min_micro_batches >= 2 and m % 2 else m
+
+
+@dataclass(frozen=True)
+class StreamPosition:
+    """Where a rank's stream resumes: the loader's state, then this rank's first ``skip`` samples passed over (those of
+    a window the fit's budget cut, which were trained)."""
+
+    loader_state: Any
+    skip: int = 0
 
 
 @dataclass
@@ -141,51 +170,58 @@ class StreamWindows:
         self.stateful = callable(getattr(loader, "state_dict", None)) and callable(
             getattr(loader, "load_state_dict", None)
         )
-        self._resume_state: Any = None
-        self._states: dict[int, Any] = {}  # window index in the epoch -> the loader's state before it was drawn
+        self._resume: StreamPosition | None = None
+        # window index in the epoch -> where the stream stood before it was drawn
+        self._positions: dict[int, StreamPosition] = {}
 
     # Lightning saves and restores a loader that has these before making its iterator, and then does not warn that
-    # a mid-epoch resume restarts it: SimiGrad records the position itself (`loader_state`)
+    # a mid-epoch resume restarts it: SimiGrad records the position itself (`position`)
     def state_dict(self) -> dict[str, Any]:
         return {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         pass
 
-    def resume_at(self, loader_state: Any) -> None:
-        """Start the resumed epoch (``schedule.resume_from``) from the loader's state a checkpoint recorded."""
-        self._resume_state = loader_state
+    def resume_at(self, position: StreamPosition) -> None:
+        """Start the first epoch iterated where a checkpoint recorded this rank's stream: inside the resumed epoch
+        (``schedule.resume_from``), or at the end of the epoch before (so that the loader counts its epochs on)."""
+        self._resume = position
 
-    def loader_state(self) -> Any:
-        """The loader's state before the first window of the epoch no optimizer step has averaged (None: the loader
-        has no state, or nothing was drawn yet)."""
-        plan = self.schedule.current
-        return self._states.get(plan.first_pending)
+    def position(self) -> StreamPosition | None:
+        """Where this rank's stream stood before the first window of the epoch no optimizer step has averaged (None:
+        the loader has no state, or nothing was drawn yet)."""
+        return self._positions.get(self.schedule.current.first_pending)
 
     def __iter__(self) -> Iterator[Any]:
         schedule, plan_epoch = self.schedule, self.schedule.epoch()
         resume = schedule.resume_from
         position, replay = 0, []
-        if resume is not None and resume.epoch == plan_epoch:
+        resumed_at, self._resume = self._resume, None  # the first epoch iterated; a later one goes on from here
+        inside = resume is not None and resume.epoch == plan_epoch
+        if resume is not None and inside:
             position, replay = resume.samples_done, list(resume.planned)
-            if self._resume_state is not None:
-                self.loader.load_state_dict(self._resume_state)
+        if resumed_at is not None:
+            self.loader.load_state_dict(resumed_at.loader_state)
+        skip = resumed_at.skip if resumed_at is not None and inside else 0
         before_epoch = schedule.trained() - position
         # the fit's budget cuts the window that reaches it; windows after it are drawn but never trained (the run
         # stops the fit), so the epoch does not look finished to Lightning, as with any stop inside an epoch
         budget = schedule.samples_left()
         plan = EpochPlan(plan_epoch, end=position, planned=position)
-        schedule.current, self._states = plan, {}
-        batches = iter(self.loader)
+        schedule.current, self._positions = plan, {}
+        if resumed_at is not None and inside and self.stateful:  # the first window's position is the checkpoint's
+            self._positions[0] = resumed_at
+        batches = _passing_over(iter(self.loader), skip)
         last: Any = None  # this rank's last batch: what it feeds, weighed by zero, when it has none
         dry = False
         while True:
             requested = replay.pop(0) if replay else schedule.requested(before_epoch + position)
             m = micro_batches_for(requested, self.world_size, self.batch_size, schedule.min_micro_batches)
+            before: StreamPosition | None = None
             if self.stateful:  # the position a checkpoint written before this window trains records
-                for index in [i for i in self._states if i < plan.first_pending]:
-                    del self._states[index]
-                self._states[plan.planned_windows] = self.loader.state_dict()
+                for index in [i for i in self._positions if i < plan.first_pending]:
+                    del self._positions[index]
+                before = self._positions.setdefault(plan.planned_windows, StreamPosition(self.loader.state_dict()))
             drawn = _Drawn([], dry)
             while not drawn.dry and len(drawn.batches) < m:
                 try:
@@ -193,11 +229,16 @@ class StreamWindows:
                 except StopIteration:
                     drawn.dry = True
             dry = drawn.dry
-            self._resume_state = None  # drawn from: a later epoch starts the stream afresh
-            window, batches_fed = self._window(drawn, m, budget)
+            window, batches_fed, cut = self._window(drawn, m, budget)
             if window is None:
                 plan.last_window, plan.ends_epoch = plan.planned_windows - 1, True
+                if self.stateful:  # the pass is over: a checkpoint at the epoch's end records the loader's end
+                    self._positions[plan.planned_windows] = StreamPosition(self.loader.state_dict())
                 return
+            if before is not None and cut:
+                # cut by the budget: what this rank drew past its share is trained after a resume, not lost
+                taken = before.skip + sum(micro[self.rank] for micro in window.sizes)
+                self._positions[plan.planned_windows + 1] = StreamPosition(before.loader_state, taken)
             budget -= window.total
             plan.append(window, requested)
             plan.planned = plan.end = position + window.total
@@ -215,8 +256,9 @@ class StreamWindows:
                         " by rank with as many shards as ranks, or LitData's `StreamingDataset`, which does)."
                     )
 
-    def _window(self, drawn: _Drawn, m: int, budget: float) -> tuple[Window | None, list[Any]]:
-        """The window every rank agrees on from what each drew (None: the pass ends), and this rank's batches."""
+    def _window(self, drawn: _Drawn, m: int, budget: float) -> tuple[Window | None, list[Any], bool]:
+        """The window every rank agrees on from what each drew (None: the pass ends), this rank's batches, and whether
+        the fit's budget cut it short of what was drawn."""
         sizes = [count_samples(batch) for batch in drawn.batches]
         rows = self.exchange(sizes + [0] * (m - len(sizes)), drawn.dry)
         if len(rows) != self.world_size or any(len(row) != m for row, _ in rows):
@@ -225,17 +267,30 @@ class StreamWindows:
                 " in lightning_simigrad (every rank plans from the same decision)."
             )
         if self.drop_last and any(row_dry for _, row_dry in rows):
-            return None, []  # a rank could not fill its share: the tail is dropped on every rank
+            return None, [], False  # a rank could not fill its share: the tail is dropped on every rank
         grid = [[rows[r][0][j] for r in range(self.world_size)] for j in range(m)]
         kept = [j for j in range(m) if any(grid[j])]
         if not kept:
-            return None, []
+            return None, [], False
         grid = [grid[j] for j in kept]
         batches = [drawn.batches[j] if j < len(drawn.batches) else None for j in kept]
         total = sum(map(sum, grid))
-        if 0 < budget < total:  # the fit's last window: exactly what is left, in slot order
+        cut = 0 < budget < total
+        if cut:  # the fit's last window: exactly what is left, in slot order
             grid, batches = _cut_to(grid, batches, int(max(budget, 1)), self.rank)
-        return Window(tuple(tuple(micro) for micro in grid)), batches
+        return Window(tuple(tuple(micro) for micro in grid)), batches, cut
+
+
+def _passing_over(batches: Iterator[Any], skip: int) -> Iterator[Any]:
+    """``batches`` without their first ``skip`` samples (the last batch they fall in cut)."""
+    for batch in batches:
+        if skip:
+            size = count_samples(batch)
+            if skip >= size:
+                skip -= size
+                continue
+            batch, skip = drop_first(batch, skip), 0
+        yield batch
 
 
 def _cut_to(grid: list[list[int]], batches: list[Any], budget: int, rank: int) -> tuple[list[list[int]], list[Any]]:

@@ -11,7 +11,8 @@ records every window in the schedule's :class:`~lightning_simigrad.data.schedule
 back which window and slot each micro-batch belongs to. It knows positions only, not samples.
 
 Where batches are counted in tokens, the walk is handed the tokens of every position: a window then takes the
-consecutive positions whose tokens come nearest the batch asked for (never fewer than one), the fit's budget cuts the
+consecutive positions whose tokens come nearest the batch asked for (never fewer than a measurement needs:
+:meth:`~lightning_simigrad.data.schedule.WindowSchedule.measurable`), the fit's budget cuts the
 window that reaches it just past it (within one sequence), and the window's samples are cut into micro-batches by
 :func:`~lightning_simigrad.core.token_plan.plan_token_window`. Everything else -- the tail, ``drop_last``, a resume
 -- still counts positions.
@@ -97,6 +98,8 @@ def walk_epoch(
         asked = replay.popleft() if replay else schedule.requested(before_epoch + positions.weight_before(position))
         reach = positions.reach(position, asked)  # in samples; past the data's end: more than is left
         requested = int(reach) - position if math.isfinite(reach) else length + 1 - position
+        # never fewer samples than a measurement needs, whatever their tokens (a window of one sequence has no halves)
+        requested = max(requested, schedule.measurable())
         tail = share is not None  # a share of the epoch's tail, not the batch asked for
         if share is not None:
             requested, share = share, None

@@ -124,9 +124,12 @@ class Readings(Callback):
         if state and run is not None:
             # every rank's: a collective, on all ranks as Lightning's own saving is (it ends in a barrier)
             state["rng"] = every_rank(run.generators_to_save())
-            stream = self._session.stream if self._session is not None else None
+            # the fit's stream, or the last fit's (`trainer.save_checkpoint` after `fit`)
+            stream = self._session.stream if self._session is not None else self._carried.stream
             if stream is not None and stream.stateful:  # where each rank's stream resumes
-                state["stream"] = every_rank(stream.loader_state())
+                positions = every_rank(stream.position())
+                state["stream"] = [p.loader_state if p is not None else None for p in positions]
+                state["stream_skip"] = [p.skip if p is not None else 0 for p in positions]
 
     @override
     def on_load_checkpoint(

@@ -95,7 +95,7 @@ def check_dataloader(loader: Any) -> None:
 def refuse_lengths_over_a_stream(lengths: Any) -> None:
     """Windows in tokens are planned over positions known ahead; a stream's windows are sized from what arrives."""
     if lengths is not None:
-        raise ValueError(
+        raise RuntimeError(
             "`lengths` plans windows to token budgets over a map-style dataset, whose samples and their lengths are"
             " known ahead; this training DataLoader is a stream (an IterableDataset). Over a stream, batches count"
             " the stream's samples: leave out `lengths` (and `max_micro_batch_tokens`) and keep `loss_items`, which"

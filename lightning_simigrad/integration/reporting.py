@@ -20,18 +20,25 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning_simigrad.integration.progress_bar import postfix_fields
 from lightning_simigrad.run import Run, Step
 
-__all__ = ["METRICS", "Reporting"]
+__all__ = ["METRICS", "METRIC_UNITS", "Reporting"]
 
-METRICS = (
-    "simigrad/batch_size",
-    "simigrad/similarity",
-    "simigrad/lr_scale",
-    "simigrad/lr",
-    "simigrad/micro_batch_size",
-    "simigrad/accumulation",
-    "simigrad/samples_seen",
-    "simigrad/noise_scale",
-)
+# What every logged number counts, where batch sizes count samples and where they count tokens (`lengths`): a unit,
+# "-" for a number without one, None where it is not logged. `loss_items` changes how a step weighs its samples, not
+# what these count. The README's and docs/usage.md's tables are read against it (tests/test_docs.py).
+METRIC_UNITS: dict[str, tuple[str | None, str | None]] = {
+    "simigrad/batch_size": ("samples", "tokens"),
+    "simigrad/similarity": ("-", "-"),
+    "simigrad/lr_scale": ("-", "-"),
+    "simigrad/lr": ("-", "-"),
+    "simigrad/micro_batch_size": ("samples", "samples"),
+    "simigrad/accumulation": ("micro-batches", "micro-batches"),
+    "simigrad/samples_seen": ("samples", "samples"),
+    "simigrad/noise_scale": ("samples", "samples"),
+    "simigrad/batch_samples": (None, "samples"),
+    "simigrad/tokens_seen": (None, "tokens"),
+    "simigrad/noise_scale_tokens": (None, "tokens"),
+}
+METRICS = tuple(name for name, (samples, _) in METRIC_UNITS.items() if samples is not None)  # logged in every mode
 
 
 class Reporting:

@@ -36,6 +36,7 @@ from lightning_simigrad.integration.sample_schedules import SampleSchedules
 from lightning_simigrad.measurement.factory import measurement_for
 from lightning_simigrad.measurement.protocol import loss_scale_of
 from lightning_simigrad.run import Run
+from lightning_simigrad.state.resume import Restart
 
 __all__ = ["Carried", "FitSession", "Phase", "Resume"]
 
@@ -47,11 +48,13 @@ class Phase(enum.Enum):
 
 @dataclass(frozen=True)
 class Carried:
-    """What a fit leaves to the callback's next fit: its run (which the next fit continues) and the batch size the
-    DataLoader had before a ``BatchSizeFinder`` tuned it (B0's, the batch the learning rate belongs to)."""
+    """What a fit leaves to the callback's next fit: its run (which the next fit continues), the batch size the
+    DataLoader had before a ``BatchSizeFinder`` tuned it (B0's, the batch the learning rate belongs to), and its stream
+    (where a checkpoint written after the fit resumes it)."""
 
     run: Run | None = None
     tuned_from: int | None = None
+    stream: StreamWindows | None = None
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,7 @@ class FitSession:
         self.resume: Resume | None = None  # set when Lightning restores a checkpoint, before the data loads
         self.stream: StreamWindows | None = None  # the training data, when it is a stream
         self._lengths: tuple[Any, Any] | None = None  # the dataset and its samples' tokens (``lengths``)
+        self._restart: Restart | None = None  # the checkpoint the run started from, as Lightning restored it
         self._run = carried.run
         if self._run is not None:  # continues on this fit's model, counting its epochs
             self._run.follow(
@@ -150,7 +154,8 @@ class FitSession:
         run.reload(data, limits)  # as Lightning loads it this time (a reloaded DataLoader, a later fit's Trainer)
         if stream:
             state = self.resume.state if self.resume is not None else None
-            self.stream = streams.stream_windows(trainer, loader, run, state)
+            at_end = self._restart is not None and self._restart.at_epoch_end
+            self.stream = streams.stream_windows(trainer, loader, run, state, at_epoch_end=at_end)
             return self.stream
         self.stream = None
         return adaptive_loader(loader, order, run.schedule, run.bounds.epoch_samples(), run.rank)
@@ -174,6 +179,7 @@ class FitSession:
         trainer = self.trainer
         world, rank = trainer_facts.data_parallel(trainer)
         restart = trainer_facts.restart_of(trainer, self.resume.state) if self.resume is not None else None
+        self._restart = restart
         state = restart.state if restart is not None and restart.state is not None else None
         per_device = self.tuned_from or loader.batch_size
         assert per_device is not None
@@ -262,7 +268,7 @@ class FitSession:
         for adapter in (self.accumulation, self.lr, self.monitors, self.bar, self.schedules):
             adapter.detach()
         AdaptiveDataSource.uninstall(self.trainer)
-        return Carried(self._run, self.tuned_from)
+        return Carried(self._run, self.tuned_from, self.stream)
 
     # ------------------------------------------------------------------------------ for the neighbours
     def _postfix(self) -> dict[str, str] | None:

@@ -14,10 +14,11 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch.distributed as dist
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_simigrad.core.sample_counts import Data
-from lightning_simigrad.data.stream import Exchange, StreamWindows
+from lightning_simigrad.data.stream import Exchange, StreamPosition, StreamWindows, micro_batches_for
 from lightning_simigrad.integration import trainer_facts
 from lightning_simigrad.run import Run
 
@@ -40,12 +41,25 @@ def stream_data(loader: DataLoader, max_micro_batch_size: int | None) -> Data:
     return Data(None, loader.batch_size, loader.drop_last, sampler=type(loader.dataset).__name__)
 
 
-def stream_windows(trainer: pl.Trainer, loader: DataLoader, run: Run, state: dict[str, Any] | None) -> StreamWindows:
-    """``loader`` re-batched into the run's windows; ``state`` is SimiGrad's checkpoint state being resumed."""
+def stream_windows(
+    trainer: pl.Trainer, loader: DataLoader, run: Run, state: dict[str, Any] | None, at_epoch_end: bool = False
+) -> StreamWindows:
+    """``loader`` re-batched into the run's windows; ``state`` is SimiGrad's checkpoint state being resumed, written
+    at an epoch's end when ``at_epoch_end``."""
     world, rank = trainer_facts.data_parallel(trainer)
     windows = StreamWindows(loader, run.schedule, rank, world, _exchange(trainer, world, rank))
+    rounded = rounding(run, world, windows.batch_size)
+    if rounded is not None:
+        rank_zero_warn(rounded)
     resume = run.schedule.resume_from
-    if resume is None or resume.epoch != trainer_facts.epoch_being_trained(trainer):
+    if resume is None:
+        return windows
+    states, skips = (state or {}).get("stream"), (state or {}).get("stream_skip")
+    if resume.epoch != run.epoch():
+        # written at the end of the epoch before: the loader goes on from its end, counting its epochs (LitData
+        # shuffles each by its number), as the uninterrupted run's did; on another number of ranks it starts afresh
+        if at_epoch_end and states is not None and len(states) == trainer.world_size and windows.stateful:
+            windows.resume_at(StreamPosition(states[trainer.global_rank]))
         return windows
     name = f"`{type(loader).__name__}` over `{type(loader.dataset).__name__}`"
     path = str(trainer.ckpt_path) if trainer.ckpt_path else "The checkpoint"
@@ -59,7 +73,6 @@ def stream_windows(trainer: pl.Trainer, loader: DataLoader, run: Run, state: dic
                 " end of an epoch."
             )
         return windows
-    states = (state or {}).get("stream")
     if states is None or len(states) != trainer.world_size:
         written = "no loader positions" if states is None else f"the loader positions of {len(states)} process(es)"
         raise RuntimeError(
@@ -68,8 +81,32 @@ def stream_windows(trainer: pl.Trainer, loader: DataLoader, run: Run, state: dic
             " its own position. Resume on the number of processes that wrote it, or from a checkpoint written at the"
             " end of an epoch."
         )
-    windows.resume_at(states[trainer.global_rank])
+    skip = skips[trainer.global_rank] if skips is not None else 0
+    windows.resume_at(StreamPosition(states[trainer.global_rank], skip))
     return windows
+
+
+def rounding(run: Run, world: int, loader_batch: int) -> str | None:
+    """What a stream's whole loader batches make of B0 and the batch-size bounds, in words (None: nothing moves)."""
+    minimum = run.schedule.min_micro_batches
+    asked = {
+        "B0": run.b0,
+        "`min_batch_size`": run.settings.min_batch_size,
+        "`max_batch_size`": run.settings.max_batch_size,
+    }
+    moved = []
+    for name, size in asked.items():
+        used = world * loader_batch * micro_batches_for(size, world, loader_batch, minimum) if size else None
+        if used is not None and used != size:
+            moved.append(f"{name} = {size} is trained as windows of {used}")
+    if not moved:
+        return None
+    least = f", at least {minimum} a rank for the two halves" if minimum > 1 else ""
+    return (
+        f"A stream's windows are whole loader batches ({loader_batch} samples on each of {world} rank(s){least}), so"
+        f" batch sizes move in steps of {world * loader_batch}: {'; '.join(moved)}. Give the DataLoader a smaller"
+        " `batch_size` for finer steps."
+    )
 
 
 def _exchange(trainer: pl.Trainer, world: int, rank: int) -> Exchange:

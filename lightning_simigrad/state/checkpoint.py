@@ -16,7 +16,8 @@ compose theirs):
   (:class:`~lightning_simigrad.core.counts.SchedulerSteps`);
 - ``rng``: every rank's random generator states, optional (:mod:`lightning_simigrad.state.rng`);
 - ``stream``: every process's stream loader state before the first window not trained, optional: only for a stream
-  whose loader has ``state_dict`` (:mod:`lightning_simigrad.data.stream`);
+  whose loader has ``state_dict`` (:mod:`lightning_simigrad.data.stream`); ``stream_skip``, beside it, the samples
+  each process passes over after that state (those of a window the fit's budget cut), optional;
 
 plus ``format_version``. ``tests/state/test_checkpoint.py`` spells the structure out. :func:`validate_state` runs
 when Lightning restores the callback, before the first step, and refuses -- with the checkpoint's path, the field,
@@ -40,7 +41,7 @@ from typing import Any
 
 from lightning_simigrad.core.controller import BatchSizeController
 from lightning_simigrad.core.counts import FitCounts, FitFacts, SchedulerSteps
-from lightning_simigrad.core.fields import DICT, Field, check_piece
+from lightning_simigrad.core.fields import DICT, NON_NEGATIVE_INT, Field, check_piece
 from lightning_simigrad.data.schedule import WindowSchedule
 from lightning_simigrad.state.rng import check_rng
 
@@ -115,6 +116,17 @@ def validate_state(state: Any, where: str) -> dict[str, Any]:
             " loader state: the file is damaged or was edited. Resume from another checkpoint, or start without"
             " `ckpt_path`."
         )
+    skip = state.get("stream_skip")
+    if skip is not None and not (
+        isinstance(skip, list)
+        and len(skip) == len(state.get("stream") or [])
+        and all(NON_NEGATIVE_INT.check(n) for n in skip)
+    ):
+        raise ValueError(
+            f"{prefix} has `stream_skip` = {skip!r}, which must list a non-negative int for every process's loader"
+            " state in `stream`: the file is damaged or was edited. Resume from another checkpoint, or start without"
+            " `ckpt_path`."
+        )
     done, length = state["counts"]["epoch_samples_done"], state["run"]["epoch_length"]
     if length is not None and done > length:
         raise ValueError(
@@ -143,7 +155,7 @@ def from_format_1(state: dict[str, Any]) -> dict[str, Any]:
             "weight_seen": state["samples_seen"],  # format 1 counted batches in samples only
             "epoch_samples_done": state["epoch_samples_done"],
         },
-        "schedule": {name: state[name] for name in WindowSchedule.STATE_FIELDS},
+        "schedule": {name: state[name] for name in WindowSchedule.STATE_FIELDS if name in state},  # (added later)
         "controller": state["controller"],
         "progress": state["progress"],
     }

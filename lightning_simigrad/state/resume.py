@@ -114,12 +114,14 @@ _WAITING = (Stage.RNG_AT_FIRST_BATCH, Stage.RNG_BEFORE_EPOCH)
 
 @dataclass(frozen=True)
 class Position:
-    """Where a resumed fit picks up: the checkpoint's epoch and, if the fit resumes inside it, the samples it had
-    committed there (the sampler skips them) and the windows it had planned but not trained."""
+    """Where a resumed fit picks up: the checkpoint's epoch (of the data) and, if the fit resumes inside it, the
+    samples it had committed there (the sampler skips them); and how far the training loop's epoch count runs ahead
+    of the data's from now on."""
 
-    epoch: int
-    same_epoch: bool  # the fit resumes in the checkpoint's epoch (else Lightning trains the next one)
+    epoch: int  # the checkpoint's epoch of the data
+    same_epoch: bool  # the fit resumes in the checkpoint's epoch (else it trains the next one)
     samples_done: int  # the epoch's committed samples, 0 unless the fit resumes inside the epoch
+    epoch_offset: int = 0  # the loop's epoch count less the data's
 
 
 def position_of(
@@ -127,21 +129,38 @@ def position_of(
 ) -> Position:
     """Where the checkpoint left the epoch, or a refusal of a resume that cannot be exact.
 
+    The training loop's epoch and the data's part ways where ``max_steps`` stops a fit inside an epoch: Lightning
+    counts that epoch as done when the fit stops, and a fit resumed with a larger ``max_steps`` finishes its data as
+    the loop's next epoch (with ``max_steps=-1`` it starts the next epoch instead, and so does SimiGrad).
+
     Raises:
         ValueError: the checkpoint was written in the middle of an epoch of a training set of another size.
     """
-    epoch, done = state["schedule"]["epoch"], state["counts"]["epoch_samples_done"]
-    length = state["run"]["epoch_length"]
+    schedule = state["schedule"]
+    epoch, done = schedule["epoch"], state["counts"]["epoch_samples_done"]
+    offset, length = schedule.get("epoch_offset", 0), state["run"]["epoch_length"]
+    continues = restart.batches_into_epoch > 0  # the loop goes on inside the epoch it stopped in
+    stopped_inside = continues and restart.epoch - offset == epoch + 1
+    if stopped_inside:
+        offset += 1
     # a checkpoint written at the epoch's last batch ends it: Lightning then trains the next epoch
-    same_epoch = epoch == restart.epoch and not restart.at_epoch_end
+    same_epoch = epoch == restart.epoch - offset and not restart.at_epoch_end
     mid_epoch = same_epoch and done > 0
+    unfinished = length is None or done < length
+    if not same_epoch and not restart.at_epoch_end and done > 0 and unfinished and epoch + 1 == restart.epoch - offset:
+        warn(
+            f"The checkpoint {restart.path} was written {done} samples into epoch {epoch}, where `max_steps` stopped"
+            f" the fit, and Lightning counts that epoch as done: resumed with `max_steps=-1`, it starts the next"
+            f" epoch, and the rest of epoch {epoch} is not trained (as in plain Lightning). Resume with a larger"
+            " `max_steps` to finish it first."
+        )
     if mid_epoch and length != data.epoch_length:
         raise ValueError(
             f"The checkpoint {restart.path} was written {done} samples into epoch {epoch} of a training set of"
             f" {length} samples; this fit's training set has {data.epoch_length}, so the rest of that epoch cannot be"
             " identified. Resume with the same training data, or from a checkpoint written at the end of an epoch."
         )
-    planned = state["schedule"]["planned"]
+    planned = schedule["planned"]
     if same_epoch and (done > 0 or planned) and world_size == 1 and not data.regenerable_order:
         # (under DDP the sampler refuses such an order)
         warn(
@@ -153,7 +172,7 @@ def position_of(
             f" {epoch} than the uninterrupted run. Resume from a checkpoint written at an epoch's end for an exact"
             " resume."
         )
-    return Position(epoch, same_epoch, done if mid_epoch else 0)
+    return Position(epoch, same_epoch, done if mid_epoch else 0, offset)
 
 
 def generators_of(state: dict[str, Any], position: Position, world_size: int, rank: int) -> Resumption:

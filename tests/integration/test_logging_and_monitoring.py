@@ -1,18 +1,20 @@
 """What Lightning's loggers and monitoring callbacks see with SimiGrad added: the learning rate applied, each
-micro-batch's own loss in ``outputs``, and no loss spike on a smooth run.
+micro-batch's own loss in ``outputs``, no loss spike on a smooth run, and a step that could not be measured.
 """
 
 from __future__ import annotations
 
 import csv
+import math
 
 import lightning.pytorch as pl
 import pytest
 from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.loggers import CSVLogger
+from torch.utils.data import DataLoader
 
 from lightning_simigrad import SimiGrad
-from tests.support.helpers import trainer
+from tests.support.helpers import IndexedRegression, Regressor, trainer
 from tests.support.lightning_features import fit_boring
 from tests.support.user_modules import BoringModel, ImagesDataModule, LitClassifier, TransformerStyle
 
@@ -81,3 +83,20 @@ def test_spike_detection_sees_no_spike_on_a_smooth_run(tmp_path):
 
     assert run(simigrad=False).current_epoch == 4
     assert run(simigrad=True).current_epoch == 4  # no TrainingSpikeException
+
+
+class FlatLoss(Regressor):
+    """A loss with no gradient: nothing to measure the halves by."""
+
+    def loss(self, x, y):
+        return 0.0 * super().loss(x, y)
+
+
+def test_a_step_that_could_not_be_measured_is_said_once_and_logged_as_nan():
+    pl.seed_everything(0)
+    cb = SimiGrad(target_similarity=0.5, initial_batch_size=8)
+    with pytest.warns(UserWarning, match=r"could not measure optimizer step 0: its window held 8 samples") as caught:
+        trainer(callbacks=[cb], max_epochs=1).fit(FlatLoss(), DataLoader(IndexedRegression(64), batch_size=4))
+    assert sum("could not measure" in str(w.message) for w in caught) == 1
+    assert len(cb.history) == 8 and all(math.isnan(row["similarity"]) for row in cb.history)
+    assert {row["batch_size"] for row in cb.history} == {8}  # held

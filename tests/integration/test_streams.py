@@ -9,6 +9,8 @@ total, and a stream of sequences weighs every labelled token of a step alike (``
 
 from __future__ import annotations
 
+import warnings
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -147,3 +149,22 @@ def test_a_stream_of_sequences_weighs_every_labelled_token_of_a_step_alike(worke
     each_sample_once([step.samples for step in audit.steps], len(dataset), EPOCHS)
     assert len({row["batch_size"] for row in cb.history}) >= 2  # the batch moved
     assert max(step.grad_rel_error for step in audit.steps) < 1e-12
+
+
+@pytest.mark.timeout(300)
+def test_what_a_streams_whole_loader_batches_make_of_b0_is_said_once_at_the_start() -> None:
+    """One process, loader batches of 4: B0 = 4 cannot be two halves of whole loader batches; it runs as 8."""
+    with pytest.warns(UserWarning, match=r"steps of 4: B0 = 4 is trained as windows of 8") as caught:
+        cb, audit, _ = fit(DataLoader, 0, initial_batch_size=4, adjust=False)
+    assert sum("whole loader batches" in str(w.message) for w in caught) == 1
+    sizes = [len(step.samples) for step in audit.steps]  # what it said is what it trained, but for each pass's tail
+    assert sizes == ([8] * (N // 8) + [N % 8]) * EPOCHS
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # B0 = 16 is four whole batches: nothing to say
+        warnings.filterwarnings("ignore", message=r"(?!A stream's windows)")
+        fit(DataLoader, 0, initial_batch_size=16, adjust=False)
+
+
+def test_lengths_over_a_stream_is_refused_before_the_first_step_with_the_fix() -> None:
+    with pytest.raises(RuntimeError, match=r"this training DataLoader is a stream.*leave out `lengths`"):
+        fit(DataLoader, 0, lengths=[4] * N)

@@ -216,3 +216,26 @@ def test_a_function_of_a_sample_gives_the_lengths() -> None:
     lengths = lengths_of(dataset)
     assert [row["batch_size"] for row in cb.history] == [sum(lengths[i] for i in s.samples) for s in audit.steps]
     assert max(padded for _, padded in micro.seen) <= MAX_TOKENS
+
+
+@pytest.mark.timeout(300)
+def test_at_a_low_target_a_token_batch_shrinks_no_further_than_a_measurable_one() -> None:
+    """The default smallest batch is the two sequences the halves need, in tokens at the data's mean length: never
+    one sequence (unmeasurable), and every step measured."""
+    dataset = Sequences()
+    lengths = lengths_of(dataset)
+    cb = SimiGrad(-0.9, lengths=lengths, initial_batch_size=80, max_micro_batch_tokens=MAX_TOKENS)
+    audit, _, _ = fit(cb, dataset=dataset)
+    samples = [len(step.samples) for step in audit.steps]
+    assert min(samples) == 2 and samples.count(2) >= len(samples) // 3  # shrunk to the floor and held there
+    mean = sum(lengths) / len(lengths)
+    assert cb.run.controller.min_batch_size == -(-2 * sum(lengths) // len(lengths)) >= 2 * mean
+    assert all(row["similarity"] == row["similarity"] for row in cb.history)  # none NaN: every step measured
+
+
+def test_a_min_batch_size_below_a_measurable_batch_is_raised_and_said_once() -> None:
+    dataset = Sequences()
+    cb = SimiGrad(-0.9, lengths=lengths_of(dataset), initial_batch_size=80, min_batch_size=3)
+    with pytest.warns(UserWarning, match=r"`min_batch_size=3` is below the 2 sequences a measurement needs") as caught:
+        fit(cb, epochs=1, dataset=dataset)
+    assert sum("min_batch_size=3" in str(w.message) for w in caught) == 1

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import functools
+import re
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -41,7 +42,18 @@ def test_smoke_run_counts_every_step_in_the_tokens_of_its_samples(
     argv = ["experiment=gpt_tiny_stdlib", "debug=smoke", "logger=csv", "num_threads=2", f"hydra.run.dir={run_dir}"]
     monkeypatch.setattr(sys, "argv", ["simigrad-train", *argv])
     main()
-    assert "gpt_tiny_stdlib-paper-seed0: val/acc" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "gpt_tiny_stdlib-paper-seed0: val/acc" in out
+    # the end-of-fit line says its unit, B0 as given, and the range of the steps it trained
+    line = next(line for line in out.splitlines() if line.startswith("SimiGrad batch size"))
+    match = re.search(
+        r"\(tokens\) moved through (\d+)\.\.(\d+) over \d+ steps \(B0 = 256, first step (\d+), last step (\d+);"
+        r" the next would be \d+\): [\d,]+ tokens in [\d,]+ samples",
+        line,
+    )
+    assert match, line
+    low, high, first, last = (int(group) for group in match.groups())
+    assert low <= first <= high and low <= last <= high
 
     with (run_dir / "simigrad_trace.csv").open() as f:
         rows = list(csv.DictReader(f))
@@ -54,6 +66,8 @@ def test_smoke_run_counts_every_step_in_the_tokens_of_its_samples(
         assert all(padded <= 128 for _, padded in micro)  # the smoke block's max_micro_batch_tokens
     sizes = [float(r["batch_size"]) for r in rows]
     assert float(rows[-1]["tokens_seen"]) == sum(sizes) >= 4 * 256 - 16  # the budget, within half a sample of 32
+    assert (low, high, first, last) == (min(sizes), max(sizes), sizes[0], sizes[-1])
+    assert f"{int(sum(sizes)):,} tokens in" in line
     assert max(sizes) > 32 * 2  # counted in tokens: no step of a few samples reads as its sample count
     assert list(run_dir.glob("logs/*/metrics.csv"))
 

@@ -144,6 +144,9 @@ def _check_result(result: dict[str, Any], initial: int = 8) -> None:
     # the last step of an epoch averages what is left of it, so it can fall below the minimum
     assert 1 <= result["min_batch_size"] <= result["max_batch_size"] <= 32
     assert 8 <= result["final_batch_size"] <= 32
+    assert result["unit"] == "samples" and "tokens_seen" not in result
+    low, high = result["min_batch_size"], result["max_batch_size"]
+    assert low <= result["first_step_batch_size"] <= high and low <= result["last_step_batch_size"] <= high
     assert any(k.startswith("val/") for k in result["metrics"])
     with open(result["trace_csv"]) as f:
         rows = list(csv.DictReader(f))

@@ -1,0 +1,54 @@
+"""The documents say what the code does: the README's and docs/usage.md's tables of logged metrics list exactly the
+metrics SimiGrad logs, each with the unit it counts where batches count samples and where they count tokens
+(``lightning_simigrad.integration.reporting.METRIC_UNITS``), and a fit in each mode logs exactly those."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+from torch.utils.data import DataLoader
+
+from lightning_simigrad import METRICS, SimiGrad
+from lightning_simigrad.integration.reporting import METRIC_UNITS
+from tests.support.helpers import IndexedRegression, Regressor, trainer
+from tests.support.token_modules import Sequences, TokenModel, pad_collate
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def metric_table(path: Path) -> dict[str, tuple[str | None, str | None]]:
+    """The table of logged metrics in ``path``: each metric named in its first cell, with the units of its second
+    ("samples / tokens"; "not logged" reads as None)."""
+    text = path.read_text()
+    start = text.index("| metric | counts: batches in samples / in tokens (`lengths`) | meaning |")
+    rows = {}
+    for line in text[start:].splitlines()[2:]:
+        if not line.startswith("|"):
+            break
+        cells = [cell.strip() for cell in line.strip("|").split(" | ")]
+        units = tuple(None if unit == "not logged" else unit for unit in cells[1].split(" / "))
+        assert len(units) == 2, line
+        for name in re.findall(r"`(simigrad/\w+)`", cells[0]):
+            rows[name] = units
+    return rows
+
+
+@pytest.mark.parametrize("document", ["README.md", "docs/usage.md"])
+def test_the_metric_tables_are_the_metrics_logged_with_their_units(document: str) -> None:
+    assert metric_table(ROOT / document) == METRIC_UNITS
+
+
+def test_each_mode_logs_exactly_the_metrics_its_units_declare() -> None:
+    pl.seed_everything(0)
+    samples = SimiGrad(0.5, initial_batch_size=8)
+    trainer(callbacks=[samples]).fit(Regressor(), DataLoader(IndexedRegression(32), batch_size=4))
+    dataset = Sequences()
+    tokens = SimiGrad(0.5, lengths=[len(t) for t in dataset.tokens], initial_batch_size=80)
+    trainer(callbacks=[tokens]).fit(TokenModel(), DataLoader(dataset, batch_size=4, collate_fn=pad_collate))
+    for cb, mode in ((samples, 0), (tokens, 1)):
+        logged = {f"simigrad/{key}" for key in cb.history[0]} - {"simigrad/step"}
+        assert logged == {name for name, units in METRIC_UNITS.items() if units[mode] is not None}
+    assert set(METRICS) == {name for name, (in_samples, _) in METRIC_UNITS.items() if in_samples is not None}
