@@ -104,6 +104,7 @@ class SimiGradTrace(Callback):
         self.png_path = self.output_dir / "simigrad_trace.png"
         self.history: list[dict[str, float]] = []
         self.next_batch_size: int | None = None
+        self.fit_summary: dict[str, int] = {}  # the callback's own summary: B0, and the tokens where batches count them
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -123,6 +124,7 @@ class SimiGradTrace(Callback):
         simigrad = find_simigrad(trainer)
         self.history = [dict(row) for row in getattr(simigrad, "history", [])]
         self.next_batch_size = simigrad.batch_size if simigrad is not None else None
+        self.fit_summary = simigrad.summary() if simigrad is not None else {}
         if not self.history:
             return
         self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -141,15 +143,22 @@ class SimiGradTrace(Callback):
         if not self.history:
             return {}
         sizes = [int(row["batch_size"]) for row in self.history if "batch_size" in row]
-        return {
+        tokens = "tokens_seen" in self.history[-1]  # batch sizes count tokens (`lengths`)
+        summary = {
             "trace_csv": str(self.csv_path),
             "trace_png": str(self.png_path),
             "steps": len(self.history),
-            "initial_batch_size": sizes[0],
-            # the batch the callback would plan next (the last step may be an epoch's smaller tail)
+            "unit": "tokens" if tokens else "samples",  # what every batch size here counts
+            # B0, the batch the learning rate belongs to (the first step's window may differ: whole sequences)
+            "initial_batch_size": int(self.fit_summary.get("initial_batch_size", sizes[0])),
+            "first_step_batch_size": sizes[0],
+            # the batch the callback would plan next, not trained (the last step may be an epoch's smaller tail)
             "final_batch_size": self.next_batch_size if self.next_batch_size is not None else sizes[-1],
             "last_step_batch_size": sizes[-1],
             "min_batch_size": min(sizes),
             "max_batch_size": max(sizes),
             "samples_seen": int(self.history[-1].get("samples_seen", 0)),
         }
+        if tokens:
+            summary["tokens_seen"] = int(self.history[-1]["tokens_seen"])
+        return summary

@@ -1,6 +1,6 @@
 """``simigrad-train``: compose a Hydra config from the shipped configs and train one recipe.
 
-    simigrad-train                                            # digits on CPU, under a minute
+    simigrad-train                                            # digits on CPU, ~13 s of training
     simigrad-train experiment=resnet18_cifar10 data.root=/data/cifar-10-batches-py
     simigrad-train -m experiment=resnet18_cifar10 simigrad=paper,off seed=1,2,3
     simigrad-train experiment=resnet50_imagenet data.root=/data/imagenet debug=smoke
@@ -98,9 +98,10 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     """Train the recipe ``cfg`` describes; return its metrics, trace paths and batch-size range.
 
     Returns:
-        ``{"metrics": {name: value}, "output_dir", "trace_csv", "trace_png", "final_batch_size"
-        (the callback's batch size at the end), "initial_batch_size", "min_batch_size",
-        "max_batch_size", "last_step_batch_size", "steps", "samples_seen"}`` (the trace entries
+        ``{"metrics": {name: value}, "output_dir", "trace_csv", "trace_png", "unit" ("samples" or "tokens": what the
+        batch sizes count), "initial_batch_size" (B0), "first_step_batch_size", "last_step_batch_size",
+        "final_batch_size" (the batch the callback would plan next, not trained), "min_batch_size", "max_batch_size"
+        (over the steps trained), "steps", "samples_seen", "tokens_seen" (batches in tokens)}`` (the trace entries
         are absent when no SimiGrad callback ran, e.g. with ``simigrad=null``).
 
     Raises:
@@ -203,10 +204,15 @@ def _report(run_name: str, result: dict[str, Any]) -> None:
     metrics = ", ".join(f"{k} {v:.4g}" for k, v in sorted(result["metrics"].items()) if k.startswith("val/"))
     print(f"\n{run_name}: {metrics or 'no validation metrics'}")
     if "trace_csv" in result:
+        unit = result["unit"]
+        seen = f"{result['samples_seen']:,} samples"
+        if "tokens_seen" in result:
+            seen = f"{result['tokens_seen']:,} tokens in {seen}"
+        first, last, following = (result[f"{k}_batch_size"] for k in ("first_step", "last_step", "final"))
         print(
-            f"SimiGrad batch size moved through {result['min_batch_size']}..{result['max_batch_size']} "
-            f"(start {result['initial_batch_size']}, final {result['final_batch_size']}) over {result['steps']} steps, "
-            f"{result['samples_seen']} samples"
+            f"SimiGrad batch size ({unit}) moved through {result['min_batch_size']}..{result['max_batch_size']} over"
+            f" {result['steps']} steps (B0 = {result['initial_batch_size']}, first step {first}, last step {last};"
+            f" the next would be {following}): {seen}"
         )
         print(f"batch-size trace: {result['trace_csv']}\n                  {result['trace_png']}")
     print(f"run directory: {result['output_dir']}")
