@@ -418,10 +418,15 @@ def restore(run: Run, restart: Restart, warn: Callable[[str], None], info: Calla
     state = restart.state
     if state is None:
         warn(without_state(restart))
-        # counted as the fixed-batch run that wrote the checkpoint counted: its steps were B0 samples
-        seen = restart.global_step * run.b0
+        # counted as the fixed-batch run that wrote the checkpoint counted: its steps were B0 (samples, or tokens: then
+        # as many samples as the data's mean tokens give)
+        weight = restart.global_step * run.b0
+        data = run.data
+        samples = (
+            weight if data.weight is None or not data.epoch_length else round(weight * data.epoch_length / data.weight)
+        )
         run.counts.load_state_dict(
-            {"steps": restart.global_step, "samples_seen": seen, "weight_seen": seen, "epoch_samples_done": 0}
+            {"steps": restart.global_step, "samples_seen": samples, "weight_seen": weight, "epoch_samples_done": 0}
         )
         return Resumption(Stage.WITHOUT_STATE)
     run.controller.load_state_dict(state["controller"])

@@ -4,6 +4,7 @@ metrics SimiGrad logs, each with the unit it counts where batches count samples 
 
 from __future__ import annotations
 
+import importlib
 import re
 from pathlib import Path
 
@@ -52,3 +53,33 @@ def test_each_mode_logs_exactly_the_metrics_its_units_declare() -> None:
         logged = {f"simigrad/{key}" for key in cb.history[0]} - {"simigrad/step"}
         assert logged == {name for name, units in METRIC_UNITS.items() if units[mode] is not None}
     assert set(METRICS) == {name for name, (in_samples, _) in METRIC_UNITS.items() if in_samples is not None}
+
+
+REFERENCE = re.compile(r":(?:mod|class|func|meth|attr|data|exc):`~?(lightning_simigrad[\w.]*)`")
+
+
+def resolves(name: str) -> bool:
+    """``name`` (dotted) is a module of the package, or an attribute reached from one."""
+    parts = name.split(".")
+    for split in range(len(parts), 0, -1):
+        try:
+            found = importlib.import_module(".".join(parts[:split]))
+        except ImportError:
+            continue
+        try:
+            for attribute in parts[split:]:
+                found = getattr(found, attribute)
+        except AttributeError:
+            return False
+        return True
+    return False
+
+
+def test_every_reference_in_the_librarys_docstrings_names_something_that_exists() -> None:
+    names = {
+        (str(path.relative_to(ROOT)), match)
+        for path in (ROOT / "lightning_simigrad").rglob("*.py")
+        for match in REFERENCE.findall(path.read_text())
+    }
+    assert len(names) > 50
+    assert [(path, name) for path, name in sorted(names) if not resolves(name)] == []

@@ -222,3 +222,14 @@ def test_only_the_last_micro_batch_of_a_first_half_reduces_and_only_when_the_mea
         half = micro.window.half_split()
         assert len(marks) == micro.window.num_micro_batches >= 2
         assert marks == [midpoint_reduction and i == half - 1 for i in range(len(marks))]
+
+
+def test_a_checkpoint_without_simigrads_state_counts_its_steps_in_samples_and_in_tokens():
+    """Counted in tokens, the fixed-batch run's 5 steps of B0 = 80 tokens are 400 tokens, and about 400 / 10 samples
+    at the data's 10 tokens a sample, not 400 samples."""
+    restart = Restart(path="x.ckpt", state=None, epoch=1, at_epoch_end=False, batches_into_epoch=0, global_step=5)
+    lengths = torch.full((40,), 10, dtype=torch.int64)
+    data = Data(40, 4, False, lengths=lengths, weight=400)
+    settings = Settings(target_similarity=0.5, lengths=lengths.tolist(), initial_batch_size=80)
+    run = Run(settings, data, Limits(), 1, 0, 0, 80, lambda: 1, Scripted(), restart=restart, warn=lambda _: None)
+    assert (run.counts.steps, run.counts.weight_seen, run.counts.samples_seen) == (5, 400, 40)

@@ -21,7 +21,7 @@ run steps. Within an epoch the count is ``floor(samples done / B0)``; at the epo
 whole count, and at the end of the fit's sample budget the budget's. So the count never exceeds the
 estimate and reaches it exactly at the end.
 
-Pure arithmetic, no Lightning: :mod:`lightning_simigrad.integration.progress` applies it to Lightning's loops.
+Pure arithmetic, no Lightning: :mod:`lightning_simigrad.integration.sample_schedules` applies it to Lightning's loops.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ def sample_lengths(
     ``max_micro_batch_tokens`` (such a sample could not be fed within the bound)."""
     size = len(dataset)
     if callable(lengths):
-        tokens = torch.tensor([int(lengths(dataset[i])) for i in range(size)], dtype=torch.int64)
+        tokens = torch.tensor([_tokens(lengths, dataset, i) for i in range(size)], dtype=torch.int64)
         where = "`lengths(sample)`"
     else:
         tokens = torch.as_tensor(lengths)
@@ -54,3 +54,19 @@ def sample_lengths(
             f" least {int(tokens.max())}, or truncate the longest sequences."
         )
     return tokens
+
+
+def _tokens(lengths: Callable[[Any], Any], dataset: Any, index: int) -> int:
+    """``lengths(dataset[index])``, which must be a whole number of tokens (a Python or NumPy int, a one-element
+    tensor, or a float with no fraction)."""
+    value = lengths(dataset[index])
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
+        value = value.item()
+    if hasattr(value, "__index__") and not isinstance(value, bool):
+        return int(value.__index__())
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    raise ValueError(
+        f"`lengths(sample)` returned {value!r} for sample {index}; it must return the sample's number of tokens, an"
+        " int. For example `lengths=lambda sample: len(sample['input_ids'])`."
+    )

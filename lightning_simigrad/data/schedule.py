@@ -22,6 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import torch
+
 from lightning_simigrad.core.fields import NON_NEGATIVE_INT, POSITIVE_INT, Field, added_later, list_of
 from lightning_simigrad.core.plan import Window, plan_window
 from lightning_simigrad.core.token_plan import plan_token_window
@@ -215,6 +217,17 @@ class WindowSchedule:
             even_micro_batches=self.min_micro_batches >= 2,
             take_small_remainder=take_small_remainder,
         )
+
+    def typical_window(self, asked: float) -> Window:
+        """A window of the batch ``asked`` for as the schedule would plan it, before the epoch's samples are known (for
+        estimates): of ``asked`` samples, or, counted in tokens, of as many samples as the data's mean tokens give,
+        their lengths spread as the data's are (evenly spaced quantiles: padding depends on the spread)."""
+        if self.lengths is None:
+            return self.plan(max(1, int(asked)))
+        ordered = self.lengths.sort().values
+        samples = max(self.measurable(), round(asked / float(ordered.double().mean())))
+        picks = torch.linspace(0, len(ordered) - 1, samples).round().long()
+        return self.plan_tokens(ordered[picks].tolist())
 
     def plan_tokens(self, lengths: list[int]) -> Window:
         """A window of samples of these ``lengths`` (in the epoch's order), cut into slots by their tokens."""

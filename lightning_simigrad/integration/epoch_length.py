@@ -33,11 +33,13 @@ class EpochLength:
         so the total must be finite from the start. A resumed epoch counts the micro-batches done before.
         """
         epoch_samples, schedule = run.bounds.epoch_samples(), run.schedule
+        window = schedule.typical_window(schedule.batch_size)  # the batch asked for, in what batch sizes count
         if epoch_samples is None:  # an epoch of unknown length: one window's micro-batches at a time
-            micro_batches = schedule.plan(max(1, schedule.batch_size)).num_micro_batches
+            micro_batches = window.num_micro_batches
         else:
-            samples = int(min(epoch_samples - run.counts.epoch_samples_done, max(run.samples_left(), 1)))
-            window = schedule.plan(max(1, min(schedule.batch_size, samples)))
+            # the epoch's samples left, and the fit's budget (in the batch's unit) read in samples
+            per_sample = window.weight / window.total
+            samples = min(epoch_samples - run.counts.epoch_samples_done, max(run.samples_left() / per_sample, 1))
             micro_batches = math.ceil(samples * window.num_micro_batches / window.total)
         epoch_loop = trainer.fit_loop.epoch_loop
         done = epoch_loop.batch_progress.current.completed if epoch_loop.restarting else 0

@@ -1,6 +1,6 @@
 r"""Lightning's step-based settings, served in samples (see :mod:`lightning_simigrad.core.sample_counts`).
 
-:class:`SampleSchedules` replaces three private methods on Lightning's loop *instances* for the length of
+:class:`SampleSchedules` replaces four private methods on Lightning's loop *instances* for the length of
 a fit, and restores them after:
 
 - ``_update_learning_rates``: step-interval LR schedulers (not plateau ones) are stepped until they have

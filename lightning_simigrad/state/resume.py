@@ -20,7 +20,7 @@ stage                     what is still to do
 :class:`Restart` is what Lightning says about the checkpoint, read by the integration layer, so that
 this module and :class:`~lightning_simigrad.run.Run` never touch Lightning. :func:`position_of` says where the
 resumed epoch stands (and refuses what cannot be resumed exactly); every component then takes its own piece of
-the checkpoint back (:meth:`lightning_simigrad.run.Run.restore`).
+the checkpoint back (:func:`lightning_simigrad.run.restore`).
 """
 
 from __future__ import annotations

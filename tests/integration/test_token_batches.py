@@ -197,6 +197,8 @@ def test_refusals_name_the_setting_and_the_fix() -> None:
         (lambda n: list(range(1, n)), "holds 119 lengths but the training dataset has 120 samples"),
         (lambda n: [0] + [4] * (n - 1), "gives sample 0 0 tokens"),
         (lambda n: [4] * (n - 1) + [50], "Sample 119 has 50 tokens, more than `max_micro_batch_tokens=40`"),
+        (lambda n: lambda sample: "12 tokens", "`lengths(sample)` returned '12 tokens' for sample 0"),
+        (lambda n: lambda sample: 3.5, "`lengths(sample)` returned 3.5 for sample 0"),
     ],
 )
 def test_bad_lengths_are_refused_before_the_first_step(lengths, message) -> None:
@@ -239,3 +241,29 @@ def test_a_min_batch_size_below_a_measurable_batch_is_raised_and_said_once() -> 
     with pytest.warns(UserWarning, match=r"`min_batch_size=3` is below the 2 sequences a measurement needs") as caught:
         fit(cb, epochs=1, dataset=dataset)
     assert sum("min_batch_size=3" in str(w.message) for w in caught) == 1
+
+
+class FirstTotal(pl.Callback):
+    """The epoch's total of micro-batches as the bars first read it (at the epoch's start, after SimiGrad's hook), and
+    the count the epoch ends with."""
+
+    def __init__(self) -> None:
+        self.first: dict[int, float] = {}
+        self.count: Counter = Counter()
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        self.first[trainer.current_epoch] = trainer.num_training_batches
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.count[trainer.current_epoch] += 1
+
+
+def test_the_first_estimate_of_an_epochs_micro_batches_counts_token_windows() -> None:
+    """The bars' first total of a token epoch: windows of B0 tokens (about 8 samples here), not of B0 samples."""
+    totals = FirstTotal()
+    dataset = Sequences()
+    cb = tokens_simigrad(adjust=False, loss_items=None)
+    pl.seed_everything(0)
+    t = trainer(callbacks=[cb, totals], max_epochs=1)
+    t.fit(TokenModel(), DataLoader(dataset, batch_size=4, shuffle=True, collate_fn=pad_collate))
+    assert abs(totals.first[0] - totals.count[0]) <= 0.25 * totals.count[0], (totals.first, totals.count)
