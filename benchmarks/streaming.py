@@ -15,10 +15,12 @@ Each round then runs four one-epoch fits of an MLP (512-1024-1024-1), in turn, t
 - *plain* and *simigrad* over the same samples as a map-style ``TensorDataset`` in memory (``shuffle=True``, no
   workers): what the measurement costs without a stream.
 
-Each round prints the four fits' samples/s (from the first training batch to the epoch's end: the loader's workers
-start before it, alike for all) and the ratios plain/simigrad (SimiGrad's time over plain's) on the stream and on
-map-style data; the medians over rounds are printed last, with the stream's own share (the first ratio over the
-second). Torch runs on one thread, the stream's two workers on the other core.
+Each round prints the fits' samples/s on the stream (from the first training batch to the epoch's end: the loader's
+workers start before it, alike for all) and the ratios plain/simigrad (SimiGrad's time over plain's) on the stream and
+on map-style data, in wall time and in the training process's CPU time; the medians over rounds are printed last,
+with the stream's own share (the first ratio over the second). Torch runs on one thread, the stream's two workers on
+the other core. On a machine busy with other work the wall-time ratios scatter by tens of percent from round to
+round; the CPU-time ones hold.
 
 The BERT recipe's resident memory at 1x and 10x a corpus, read from token shards on disk, is measured by
 ``benchmarks/corpus_memory.py``.
@@ -79,21 +81,24 @@ class MLP(pl.LightningModule):
 
 class Clock(pl.Callback):
     """Samples trained per second from the first training batch to the end of the epoch: the loader's workers
-    start before it, the same for both sides, and are left out."""
+    start before it, the same for both sides, and are left out. Per second of wall time, and per second of the
+    training process's CPU time (all its threads; the stream's workers are processes of their own, doing the same
+    work for both sides), which holds steadier on a machine shared with other work."""
 
     def __init__(self) -> None:
-        self.first: float | None = None
+        self.first: tuple[float, float] | None = None
         self.samples = 0
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if self.first is None:
-            self.first = time.perf_counter()
+            self.first = (time.perf_counter(), time.process_time())
         else:
             self.samples += len(batch[0])
 
-    def rate(self) -> float:
+    def rates(self) -> tuple[float, float]:
         assert self.first is not None
-        return self.samples / (time.perf_counter() - self.first)
+        wall, cpu = time.perf_counter() - self.first[0], time.process_time() - self.first[1]
+        return self.samples / wall, self.samples / cpu
 
 
 def loader_of(chunks: str, stream: bool) -> DataLoader:
@@ -107,8 +112,8 @@ def loader_of(chunks: str, stream: bool) -> DataLoader:
     return DataLoader(TensorDataset(torch.stack(x), torch.stack(y)), batch_size=BATCH, shuffle=True)
 
 
-def fit(chunks: str, simigrad: bool, stream: bool) -> float:
-    """One epoch; its samples/s after the first batch."""
+def fit(chunks: str, simigrad: bool, stream: bool) -> tuple[float, float]:
+    """One epoch; its samples per second of wall and of CPU time after the first batch."""
     pl.seed_everything(0, verbose=False)
     torch.set_num_threads(1)  # the stream's two workers take the other core
     loader = loader_of(chunks, stream)
@@ -119,7 +124,7 @@ def fit(chunks: str, simigrad: bool, stream: bool) -> float:
         enable_model_summary=False, callbacks=[*callbacks, clock], accumulate_grad_batches=1 if simigrad else 2,
     )  # fmt: skip
     trainer.fit(MLP(), loader)
-    return clock.rate()
+    return clock.rates()
 
 
 SIDES = [(False, True), (True, True), (False, False), (True, False)]  # (simigrad, stream)
@@ -134,20 +139,27 @@ def main() -> None:
         chunks = os.path.join(tmp, "chunks")
         subprocess.run([sys.executable, "-c", _OPTIMIZE, chunks, str(args.samples)], cwd=ROOT, check=True,
                        capture_output=True, env={**os.environ, "PYTHONPATH": ROOT})  # fmt: skip
-        on_stream, in_memory, stream_share = [], [], []
+        shares: dict[str, list[float]] = {"wall": [], "cpu": []}
+        ratios: dict[str, list[float]] = {"stream wall": [], "map wall": [], "stream cpu": [], "map cpu": []}
         for r in range(args.rounds):
             order = SIDES[r % 4 :] + SIDES[: r % 4]  # the order rotates round by round
             rate = {side: fit(chunks, *side) for side in order}
-            on_stream.append(rate[(False, True)] / rate[(True, True)])
-            in_memory.append(rate[(False, False)] / rate[(True, False)])
-            stream_share.append(on_stream[-1] / in_memory[-1])
-            print(f"round {r}: stream: plain {rate[(False, True)]:6.0f}, simigrad {rate[(True, True)]:6.0f} samples/s,"
-                  f" ratio {on_stream[-1]:.3f}; map-style: plain {rate[(False, False)]:6.0f},"
-                  f" simigrad {rate[(True, False)]:6.0f}, ratio {in_memory[-1]:.3f}", flush=True)  # fmt: skip
+            line = []
+            for i, clock in enumerate(("wall", "cpu")):
+                on_stream = rate[(False, True)][i] / rate[(True, True)][i]
+                in_memory = rate[(False, False)][i] / rate[(True, False)][i]
+                ratios[f"stream {clock}"].append(on_stream)
+                ratios[f"map {clock}"].append(in_memory)
+                shares[clock].append(on_stream / in_memory)
+                share = shares[clock][-1]
+                line.append(f"{clock}: stream {on_stream:.3f}, map-style {in_memory:.3f}, share {share:.3f}")
+            print(f"round {r}: stream plain {rate[(False, True)][0]:6.0f}, simigrad {rate[(True, True)][0]:6.0f}"
+                  f" samples/s; " + "; ".join(line), flush=True)  # fmt: skip
     median = statistics.median
-    print(f"median time ratio simigrad/plain over {args.rounds} rounds: on the stream {median(on_stream):.3f},"
-          f" on map-style data {median(in_memory):.3f}; the stream's own share {median(stream_share):.3f}")  # fmt: skip
-
+    for clock in ("wall", "cpu"):
+        print(f"median {clock}-time ratio simigrad/plain over {args.rounds} rounds: on the stream"
+              f" {median(ratios[f'stream {clock}']):.3f}, on map-style data {median(ratios[f'map {clock}']):.3f};"
+              f" the stream's own share {median(shares[clock]):.3f}")  # fmt: skip
 
 if __name__ == "__main__":
     main()

@@ -15,6 +15,7 @@ from lightning_simigrad.core.controller import BatchSizeController
 from lightning_simigrad.core.lr_scaling import lr_factor
 from lightning_simigrad.core.plan import Window, plan_window
 from lightning_simigrad.core.statistics import HalfStats, equilibrium_batch_size, expected_similarity
+from lightning_simigrad.core.units import Unit
 from lightning_simigrad.data.sampler import AdaptiveBatchSampler
 from lightning_simigrad.data.schedule import WindowSchedule
 from lightning_simigrad.measurement import Measurement, MeasurementError, RankGroupMeasurement
@@ -35,6 +36,7 @@ __all__ = [
     "MeasurementError",
     "RankGroupMeasurement",
     "SimiGrad",
+    "Unit",
     "Window",
     "WindowSchedule",
     "doubling",

@@ -54,7 +54,7 @@ class SimiGrad(Readings):
         loss_items: ``loss_items(batch)``, a micro-batch's number of loss items (labelled tokens, e.g.
             ``lambda b: (b["labels"] != -100).sum()``), for a ``training_step`` that returns the mean loss over them:
             every item of a step then weighs exactly 1 / (the step's items, all ranks), the halves are item means,
-            and the batch still counts samples (see :mod:`lightning_simigrad.loss_items`). Under ``ddp_spawn`` it
+            and the batch still counts samples (see :mod:`lightning_simigrad.weighing`). Under ``ddp_spawn`` it
             must be picklable (a module-level function).
         adjust: ``False`` measures and logs but never changes the batch (the paper's ``enable_adjust``).
         controller: ``"paper"`` (x ``grow_factor`` below target, x ``shrink_factor`` above) or

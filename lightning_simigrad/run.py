@@ -31,7 +31,6 @@ from typing import Any
 
 from torch import Tensor
 
-from lightning_simigrad import _compat
 from lightning_simigrad.core.controller import BatchSizeController
 from lightning_simigrad.core.counts import FitCounts, FitFacts, SchedulerSteps
 from lightning_simigrad.core.lr_scaling import lr_factor
@@ -40,18 +39,10 @@ from lightning_simigrad.core.sample_counts import Data, FitBounds, Limits
 from lightning_simigrad.core.settings import Settings
 from lightning_simigrad.core.statistics import HalfStats
 from lightning_simigrad.data.schedule import ResumePoint, WindowSchedule
-from lightning_simigrad.loss_items import LossItems
 from lightning_simigrad.measurement.protocol import LossScale, Measurement
-from lightning_simigrad.state.resume import (
-    Restart,
-    Resumption,
-    Stage,
-    generators_of,
-    outside_bounds,
-    position_of,
-    without_state,
-)
+from lightning_simigrad.state.resume import Restart, Resumption, Stage, generators_of, outside_bounds, without_state
 from lightning_simigrad.state.rng import RngSnapshot
+from lightning_simigrad.weighing import weighing_for
 
 __all__ = ["MicroBatch", "Run", "Step"]
 
@@ -130,6 +121,7 @@ class Run:
         info: Callable[[str], None] = _log.info,
     ) -> None:
         self.settings, self.rank, self.measurement = settings, rank, measurement
+        self.world_size, self.b0 = world_size, initial_batch_size  # the data-parallel ranks; B0
         self._loop_epoch = epoch
         self.facts = FitFacts(initial_batch_size, world_size, data.epoch_length)
         self.bounds = FitBounds(
@@ -147,11 +139,11 @@ class Run:
             min_micro_batches=min_micro_batches,
             seed=seed,
             epoch=self.epoch,
-            samples_left=self.samples_left,
+            weight_left=self.weight_left,
             trained=lambda: self.counts.weight_seen,
             planner=None if settings.schedule is None else self.scheduled_size,
-            lengths=data.lengths,
-            max_micro_batch_tokens=settings.max_micro_batch_tokens,
+            unit=settings.batch_unit,
+            weights=data.weights,
         )
         self.counts = FitCounts()
         self.scheduler_steps = SchedulerSteps()  # advanced by the integration, which steps the schedulers
@@ -165,7 +157,7 @@ class Run:
         self._told_unmeasured = False  # a step that could not be measured is said once a fit
         self.window_rng: RngSnapshot | None = None  # the generator states as the current window started
         # with `loss_items`: every loss item of a step weighs 1 / (the step's items); else every sample 1 / N
-        self.items = LossItems(settings.loss_items, world_size) if settings.loss_items is not None else None
+        self.weighing = weighing_for(settings.batch_unit.loss_items, world_size)
         self.resumption = restore(self, restart, warn, info) if restart is not None else Resumption()
         self.bounds.validation_interval()  # refuses an interval validation would never reach, before training
 
@@ -174,17 +166,9 @@ class Run:
     def data(self) -> Data:
         return self.bounds.data
 
-    @property
-    def world_size(self) -> int:
-        return self.facts.world_size
-
-    @property
-    def b0(self) -> int:
-        return self.facts.initial_batch_size
-
     def epoch(self) -> int:
         """The epoch of the data being trained: the training loop's, unless a resume made them part
-        (:func:`~lightning_simigrad.state.resume.position_of`)."""
+        (:meth:`~lightning_simigrad.state.resume.Restart.placed`)."""
         return self._loop_epoch() - self.schedule.epoch_offset
 
     def follow(self, epoch: Callable[[], int], measurement: Measurement) -> None:
@@ -196,7 +180,7 @@ class Run:
     def reload(self, data: Data, limits: Limits) -> None:
         """The training data as Lightning loaded it this time (a reloaded DataLoader, a later fit's Trainer)."""
         self.bounds = replace(self.bounds, data=data, limits=limits)
-        self.schedule.lengths = data.lengths
+        self.schedule.weights = data.weights
 
     # ------------------------------------------------------------------------------ one optimizer step
     def start_epoch(self) -> None:
@@ -217,7 +201,7 @@ class Run:
         self.measurement.start_micro_batch(window, micro, params)
         local = window.sizes[micro][self.rank]
         self.lr_factor = self.factor_for(window.weight)
-        weight = local if self.items is None else self.items.start(batch, micro, local)  # samples or loss items
+        weight = self.weighing.start(batch, micro, local)  # what its mean loss stands for: samples, or loss items
         divisor = window.total / (self.world_size * weight) if weight else math.inf
         reduces = self.measurement.midpoint_reduction and micro == window.half_split() - 1
         return MicroBatch(window, micro, local, divisor, self.lr_factor, reduces)
@@ -229,8 +213,7 @@ class Run:
             return
         self.fed[self.micro >= window.half_split()] += sum(window.sizes[self.micro])
         self.fed_weight += window.micro_weight(self.micro)
-        if self.items is not None:
-            self.items.after_backward(self.measurement.half_of(window, self.micro))
+        self.weighing.after_backward(self.measurement.half_of(window, self.micro))
         self.measurement.after_backward(window, self.micro, (self.fed[0], self.fed[1]), params)
 
     def finish_step(self, params: Sequence[Tensor], loss_scale: LossScale) -> Step:
@@ -238,13 +221,12 @@ class Run:
         window = self.window
         if window is None:
             raise RuntimeError("`finish_step` before any micro-batch of the window started")
-        stats = self.measurement.collect(loss_scale)  # the halves
         fed = sum(self.fed)
-        if self.items is not None:  # the mean over the items fed (see lightning_simigrad.loss_items)
-            stats = self.items.finish(params, window.total, stats)
-        elif 0 < fed < window.total:
-            # micro-batches were skipped (`training_step` returned None): a mean over what was fed
-            _compat.foreach_mul_([p.grad for p in params if p.grad is not None], window.total / fed)
+        columns = self.weighing.columns()  # what the weighing needs from every rank rides with the halves' products
+        stats = (
+            self.measurement.collect(loss_scale) if columns is None else self.measurement.collect(loss_scale, columns)
+        )
+        stats = self.weighing.finish(params, window.total, fed, stats, columns)  # the step's mean, the halves' means
         if 0 < fed < window.total:
             self.lr_factor = self.factor_for(self.fed_weight)
         if stats is not None:  # decide
@@ -289,7 +271,7 @@ class Run:
     @property
     def done(self) -> bool:
         """The fit's budget (``max_samples``, ``max_steps`` in B0-steps) is spent."""
-        return self.samples_left() <= 0
+        return self.weight_left() <= 0
 
     @property
     def local_samples(self) -> int:
@@ -327,7 +309,7 @@ class Run:
         high = self.controller.max_batch_size
         return size if high is None else min(size, high)
 
-    def samples_left(self) -> float:
+    def weight_left(self) -> float:
         """What the fit may still train: its budget less the weight trained."""
         return self.bounds.budget() - self.counts.weight_seen
 
@@ -406,51 +388,42 @@ def smallest_measurable_batch(data: Data, samples: int) -> SmallestBatch:
 
 def micro_batch_cap(settings: Settings, data: Data) -> int:
     """Most samples of a slot: ``max_micro_batch_size``, else the DataLoader's batch, unless micro-batches are bounded
-    in tokens (``max_micro_batch_tokens``), which then bound them alone."""
+    by weight (``max_micro_batch_tokens``), which then bound them alone."""
     if settings.max_micro_batch_size is not None:
         return settings.max_micro_batch_size
-    return data.batch_size if settings.max_micro_batch_tokens is None else 2**62
+    return data.batch_size if settings.batch_unit.max_slot_weight is None else 2**62
 
 
 def restore(run: Run, restart: Restart, warn: Callable[[str], None], info: Callable[[str], None]) -> Resumption:
     """Pick ``run`` up where ``restart``'s checkpoint left it, or refuse a resume that cannot be exact: every
     component of the run takes its own piece back."""
-    state = restart.state
-    if state is None:
+    if restart.state is None:
         warn(without_state(restart))
-        # counted as the fixed-batch run that wrote the checkpoint counted: its steps were B0 (samples, or tokens: then
-        # as many samples as the data's mean tokens give)
-        weight = restart.global_step * run.b0
-        data = run.data
-        samples = (
-            weight if data.weight is None or not data.epoch_length else round(weight * data.epoch_length / data.weight)
-        )
-        run.counts.load_state_dict(
-            {"steps": restart.global_step, "samples_seen": samples, "weight_seen": weight, "epoch_samples_done": 0}
-        )
+        # counted as the fixed-batch run that wrote the checkpoint counted: its steps were B0 (samples, or a weight:
+        # then as many samples as the data's mean weight gives)
+        weight, data = restart.global_step * run.b0, run.data
+        per_sample = 1.0 if data.weight is None or not data.epoch_length else data.weight / data.epoch_length
+        run.counts = FitCounts(restart.global_step, round(weight / per_sample), weight)
         return Resumption(Stage.WITHOUT_STATE)
-    run.controller.load_state_dict(state["controller"])
-    run.counts.load_state_dict(state["counts"])
-    run.scheduler_steps.load_state_dict(state["progress"])
-    position = position_of(state, restart, run.data, run.world_size, warn)
-    run.counts.start_epoch(position.samples_done)
-    piece = state["schedule"]
-    batch_size = run.within_bounds(piece["batch_size"])
-    planned = tuple(run.within_bounds(size) for size in piece["planned"])
-    done = state["counts"]["epoch_samples_done"]
-    run.schedule.load_state_dict(
-        {**piece, "batch_size": batch_size, "epoch_offset": position.epoch_offset},
-        ResumePoint(position.epoch, done, planned),
-    )
-    if batch_size != piece["batch_size"] or planned != tuple(piece["planned"]):
+    restart = restart.placed(run.data, run.world_size, warn)
+    saved = restart.saved
+    run.controller.load_state_dict(saved.controller)
+    run.counts = replace(saved.counts, epoch_samples_done=restart.samples_done)
+    run.scheduler_steps.load_state_dict(saved.progress)
+    piece = saved.schedule
+    batch_size = run.within_bounds(piece.batch_size)
+    planned = tuple(run.within_bounds(size) for size in piece.planned)
+    resume = ResumePoint(piece.epoch, saved.counts.epoch_samples_done, planned)
+    run.schedule.load_state_dict(replace(piece, batch_size=batch_size, epoch_offset=restart.epoch_offset), resume)
+    if batch_size != piece.batch_size or planned != piece.planned:
         bounds = (run.controller.min_batch_size, run.controller.max_batch_size)
         need = run.schedule.world_size * run.schedule.min_micro_batches
-        asked, brought = (piece["batch_size"], list(piece["planned"])), (batch_size, list(planned))
+        asked, brought = (piece.batch_size, list(piece.planned)), (batch_size, list(planned))
         warn(outside_bounds(restart, asked, brought, bounds, need, run.world_size))
-    if state["run"]["world_size"] != run.world_size:
+    if saved.facts.world_size != run.world_size:
         info(
-            f"SimiGrad: resuming a checkpoint written on {state['run']['world_size']} rank(s) on"
-            f" {run.world_size}: batch size {batch_size}, B0 {run.b0}, {run.counts.samples_seen} samples seen;"
-            f" the rest of epoch {position.epoch} is shared among the {run.world_size} rank(s)."
+            f"SimiGrad: resuming a checkpoint written on {saved.facts.world_size} rank(s) on {run.world_size}: batch"
+            f" size {batch_size}, B0 {run.b0}, {run.counts.samples_seen} samples seen; the rest of epoch"
+            f" {piece.epoch} is shared among the {run.world_size} rank(s)."
         )
-    return generators_of(state, position, run.world_size, run.rank)
+    return generators_of(restart, run.world_size, run.rank)

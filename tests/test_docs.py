@@ -4,6 +4,7 @@ metrics SimiGrad logs, each with the unit it counts where batches count samples 
 
 from __future__ import annotations
 
+import ast
 import importlib
 import re
 from pathlib import Path
@@ -83,3 +84,59 @@ def test_every_reference_in_the_librarys_docstrings_names_something_that_exists(
     }
     assert len(names) > 50
     assert [(path, name) for path, name in sorted(names) if not resolves(name)] == []
+
+
+def library_index() -> tuple[set[str], dict[str, set[str]], set[str]]:
+    """Every name the library defines (modules, classes, functions, fields, assignments), imports or holds as a
+    string; each class's members (methods, fields, ``self.x`` attributes); and the files and folders it has."""
+    names: set[str] = set()
+    members: dict[str, set[str]] = {}
+    paths: set[str] = set()
+    package = ROOT / "lightning_simigrad"
+    for path in package.rglob("*.py"):
+        relative = path.relative_to(package)
+        paths.update({str(relative), *(f"{parent}/" for parent in map(str, relative.parents) if parent != ".")})
+        names.add(path.stem)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                names.add(node.name)
+            if isinstance(node, ast.ClassDef):
+                found = members.setdefault(node.name, set())
+                for child in ast.walk(node):
+                    if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                        found.add(child.name)
+                    elif isinstance(child, ast.AnnAssign) and isinstance(child.target, ast.Name):
+                        found.add(child.target.id)
+                    elif isinstance(child, ast.Attribute) and isinstance(child.ctx, ast.Store):
+                        found.add(child.attr)
+                    elif isinstance(child, ast.Name) and isinstance(child.ctx, ast.Store):
+                        found.add(child.id)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif isinstance(node, ast.alias):
+                names.update({node.name, node.asname or node.name.split(".")[0]})
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                names.add(node.value)
+    return names, members, paths
+
+
+def test_every_file_and_name_the_architecture_page_gives_exists() -> None:
+    """docs/architecture.md names files (`core/units.py`, `tests/...`), names (`Unit`, `unit_of`) and members
+    (`Unit.cut`) in code type: each must be the library's (or the repository's, for a path)."""
+    names, members, paths = library_index()
+    tokens = re.findall(r"`([^`]+)`", (ROOT / "docs" / "architecture.md").read_text())
+    missing = []
+    for token in tokens:
+        if token.endswith((".py", "/")):
+            if token not in paths and not (ROOT / token).exists():
+                missing.append(token)
+        elif re.fullmatch(r"[A-Za-z_]\w*", token):
+            if token not in names:
+                missing.append(token)
+        elif re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+", token):
+            owner, member = token.split(".")[:2]
+            known = member in members[owner] if owner in members else owner in names  # a class's, or a module's
+            if not known:
+                missing.append(token)
+    assert len(tokens) > 100
+    assert missing == []

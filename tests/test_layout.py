@@ -13,11 +13,12 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lightning_simigrad"
 # callback and the package's __init__ may import anything. `_compat` is the table of private members: a leaf.
 MAY_IMPORT = {
     "core": {"core"},
-    "measurement": {"core", "measurement", "_compat"},
+    "exchange": {"_compat"},
+    "measurement": {"core", "exchange", "measurement", "_compat"},
     "data": {"core", "data", "_compat"},
     "state": {"core", "data", "state"},
-    "loss_items": {"core", "_compat"},
-    "run": {"core", "measurement", "data", "state", "loss_items", "run", "_compat"},
+    "weighing": {"core", "exchange", "measurement", "_compat"},
+    "run": {"core", "exchange", "measurement", "data", "state", "weighing", "run", "_compat"},
 }
 
 

@@ -138,7 +138,7 @@ def test_the_budget_ends_the_fit_on_a_whole_step():
     assert [len(b) for b in batches[:4]] == [4, 4, 2, 2]
     train_step(run, batches, params)
     assert not run.done
-    assert train_step(run, batches, params).samples == 4 and run.done and run.samples_left() == 0
+    assert train_step(run, batches, params).samples == 4 and run.done and run.weight_left() == 0
 
 
 def test_an_abandoned_window_is_aborted_at_the_epochs_end():
@@ -188,11 +188,11 @@ def test_a_checkpoint_without_simigrads_state_counts_its_steps_as_steps_of_b0():
 
 def test_max_steps_counts_steps_of_b0_samples():
     run, _ = make_run(Scripted())
-    assert run.samples_left() == math.inf
+    assert run.weight_left() == math.inf
     limited = Run(
         Settings(target_similarity=0.5), Data(40, 4, False), Limits(max_steps=3), 1, 0, 0, 8, lambda: 0, Scripted()
     )
-    assert limited.samples_left() == 24 and limited.bounds.fit_length().stepping_batches == 3
+    assert limited.weight_left() == 24 and limited.bounds.fit_length().stepping_batches == 3
 
 
 def test_a_batch_bound_below_what_a_measurement_needs_is_refused():
@@ -229,7 +229,7 @@ def test_a_checkpoint_without_simigrads_state_counts_its_steps_in_samples_and_in
     at the data's 10 tokens a sample, not 400 samples."""
     restart = Restart(path="x.ckpt", state=None, epoch=1, at_epoch_end=False, batches_into_epoch=0, global_step=5)
     lengths = torch.full((40,), 10, dtype=torch.int64)
-    data = Data(40, 4, False, lengths=lengths, weight=400)
+    data = Data(40, 4, False, weights=lengths, weight=400)
     settings = Settings(target_similarity=0.5, lengths=lengths.tolist(), initial_batch_size=80)
     run = Run(settings, data, Limits(), 1, 0, 0, 80, lambda: 1, Scripted(), restart=restart, warn=lambda _: None)
     assert (run.counts.steps, run.counts.weight_seen, run.counts.samples_seen) == (5, 400, 40)

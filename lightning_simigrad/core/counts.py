@@ -69,6 +69,13 @@ class FitCounts:
         for name in self.STATE_FIELDS:
             setattr(self, name, int(state[name]))
 
+    @classmethod
+    def of(cls, state: dict[str, Any]) -> FitCounts:
+        """The counts a checkpoint's piece holds."""
+        counts = cls()
+        counts.load_state_dict(state)
+        return counts
+
 
 @dataclass(frozen=True)
 class FitFacts:
@@ -92,6 +99,12 @@ class FitFacts:
 
     def state_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def of(cls, state: dict[str, Any]) -> FitFacts:
+        """The facts a checkpoint's piece holds (a resumed fit takes B0 over from them)."""
+        length = state["epoch_length"]
+        return cls(int(state["initial_batch_size"]), int(state["world_size"]), None if length is None else int(length))
 
 
 @dataclass

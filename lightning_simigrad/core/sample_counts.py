@@ -213,8 +213,9 @@ class Data:
         drop_last: the DataLoader drops a tail smaller than the batch.
         regenerable_order: the order can be drawn again (a resume can pick it up mid-epoch).
         sampler: the order's name, for messages.
-        lengths: where batches are counted in tokens, the tokens of every sample by dataset index (an int64 tensor).
-        weight: where batches are counted in tokens, the dataset's tokens.
+        weights: where the unit weighs samples unalike (tokens), every sample's weight by dataset index (an int64
+            tensor); None: every sample weighs 1.
+        weight: their sum, the dataset's weight (None where every sample weighs 1).
     """
 
     epoch_length: int | None
@@ -222,7 +223,7 @@ class Data:
     drop_last: bool
     regenerable_order: bool = True
     sampler: str = "SequentialSampler"
-    lengths: Any = field(default=None, compare=False, repr=False)
+    weights: Any = field(default=None, compare=False, repr=False)
     weight: int | None = None
 
 

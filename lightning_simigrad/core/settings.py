@@ -17,11 +17,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from lightning_simigrad.core.batch_schedules import BatchSchedule
 from lightning_simigrad.core.controller import BatchSizeController
 from lightning_simigrad.core.lr_scaling import LR_SCALINGS
+from lightning_simigrad.core.units import Unit, unit_of
 
 __all__ = ["BatchSettings", "Settings"]
 
@@ -45,6 +47,7 @@ class BatchSettings:
     # each sample's tokens (one int per sample, or a function of a sample): batch sizes then count tokens
     lengths: Sequence[int] | Callable[[Any], Any] | None = None
     max_micro_batch_tokens: int | None = None  # most padded tokens per device in one forward/backward (with `lengths`)
+    unit: Unit | None = None  # what batch sizes count, a weight of each sample's own (default: samples, or `lengths`)
 
     def __post_init__(self) -> None:
         if self.lr_scaling not in LR_SCALINGS:
@@ -61,7 +64,7 @@ class BatchSettings:
                 f"`loss_items` must be a function of a micro-batch returning its number of loss items, got"
                 f" {self.loss_items!r}. For example `loss_items=lambda batch: (batch['labels'] != -100).sum()`."
             )
-        self._check_lengths()
+        self._check_unit()
         size = self.history_size
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 0):
             raise ValueError(
@@ -69,31 +72,25 @@ class BatchSettings:
                 " step, 0 to keep none."
             )
 
-    def _check_lengths(self) -> None:
-        lengths = self.lengths
-        if lengths is None:
-            if self.max_micro_batch_tokens is not None:
-                raise ValueError(
-                    f"`max_micro_batch_tokens={self.max_micro_batch_tokens}` bounds micro-batches in tokens, which"
-                    " needs every sample's tokens: give `lengths` too (one int per sample, or a function of a"
-                    " sample), or bound micro-batches in samples with `max_micro_batch_size`."
-                )
-            return
-        if isinstance(lengths, (str, bytes)) or not (callable(lengths) or hasattr(lengths, "__len__")):
+    def _check_unit(self) -> None:
+        if self.unit is not None and not isinstance(self.unit, Unit):
             raise ValueError(
-                f"`lengths` must be one int per sample of the training dataset, or a function of a sample returning"
-                f" its tokens, got {lengths!r}. For example `lengths=lambda sample: len(sample['input_ids'])`."
+                f"`unit` must be a `lightning_simigrad.Unit`, got {self.unit!r}. For example"
+                " `unit=Unit('pixels', per_sample=[h * w for h, w in sizes])`."
             )
-        if self.initial_batch_size is None:
+        unit = self.batch_unit  # checks its own arguments
+        if unit.weighted and self.initial_batch_size is None:
             raise ValueError(
-                "With `lengths`, batch sizes count tokens: give `initial_batch_size` (B0) in tokens, the tokens per"
-                " step the learning rate was set for (e.g. `initial_batch_size=16 * 512` for 16 sequences of 512)."
+                f"With `{unit.setting}`, batch sizes count {unit.name}: give `initial_batch_size` (B0) in"
+                f" {unit.name}, the {unit.name} per step the learning rate was set for (e.g. `initial_batch_size=16 *"
+                " 512` for 16 sequences of 512 tokens)."
             )
 
-    @property
-    def counts_tokens(self) -> bool:
-        """Batch sizes count tokens (``lengths`` given), not samples."""
-        return self.lengths is not None
+    @cached_property
+    def batch_unit(self) -> Unit:
+        """What batch sizes count: the one unit ``unit``, ``lengths``, ``max_micro_batch_tokens`` and ``loss_items``
+        describe (:func:`~lightning_simigrad.core.units.unit_of`)."""
+        return unit_of(self.unit, self.lengths, self.max_micro_batch_tokens, self.loss_items)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,11 +111,12 @@ class Settings(BatchSettings):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.lengths is not None and self.controller == "noise_scale":
+        if self.batch_unit.weighted and self.controller == "noise_scale":
             raise ValueError(
-                "`controller='noise_scale'` with `lengths`: the noise scale is measured in the halves' samples (or"
-                " loss items) while the batch counts tokens, and the rule would set one from the other. Use"
-                " `controller='paper'`, whose similarity target is the same in any unit, or leave out `lengths`."
+                f"`controller='noise_scale'` with `{self.batch_unit.setting}`: the noise scale is measured in the"
+                f" halves' samples (or loss items) while the batch counts {self.batch_unit.name}, and the rule would"
+                " set one from the other. Use `controller='paper'`, whose similarity target is the same in any unit,"
+                f" or leave out `{self.batch_unit.setting}`."
             )
         # the controller checks its own arguments
         BatchSizeController(**self.controller_args(self.initial_batch_size or self.min_batch_size or 1))

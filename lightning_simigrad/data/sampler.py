@@ -68,8 +68,8 @@ class AdaptiveBatchSampler(BatchSampler):
     def __iter__(self) -> Iterator[list[int]]:
         epoch = self.schedule.epoch()
         order = self.epoch_order(epoch)
-        lengths = None if self.schedule.lengths is None else self.schedule.lengths[order]
-        for window, start in walk_epoch(self.schedule, epoch, len(order), self.drop_last, lengths):
+        weights = self.schedule.weights_in(order)
+        for window, start in walk_epoch(self.schedule, epoch, len(order), self.drop_last, weights):
             for j in range(window.num_micro_batches):
                 size = window.sizes[j][self.rank]
                 if not size:

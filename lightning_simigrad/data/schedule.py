@@ -26,9 +26,9 @@ import torch
 
 from lightning_simigrad.core.fields import NON_NEGATIVE_INT, POSITIVE_INT, Field, added_later, list_of
 from lightning_simigrad.core.plan import Window, plan_window
-from lightning_simigrad.core.token_plan import plan_token_window
+from lightning_simigrad.core.units import Unit
 
-__all__ = ["EpochPlan", "ResumePoint", "WindowSchedule"]
+__all__ = ["EpochPlan", "ResumePoint", "SchedulePiece", "WindowSchedule"]
 
 
 @dataclass
@@ -112,6 +112,45 @@ class EpochPlan:
 
 
 @dataclass(frozen=True)
+class SchedulePiece:
+    """The schedule's piece of a checkpoint (:meth:`WindowSchedule.state_dict`), read.
+
+    Args:
+        batch_size: the batch size asked for.
+        seed: the shuffling seed every rank agreed on.
+        epoch: the data's epoch being trained.
+        planned: the batch sizes of the windows planned that no optimizer step had averaged, in order.
+        epoch_offset: how far the training loop's epoch count ran ahead of the data's.
+    """
+
+    batch_size: int
+    seed: int
+    epoch: int
+    planned: tuple[int, ...] = ()
+    epoch_offset: int = 0
+
+    @classmethod
+    def of(cls, piece: dict[str, Any]) -> SchedulePiece:
+        """The piece as :meth:`WindowSchedule.state_dict` wrote it (checked against ``STATE_FIELDS``)."""
+        return cls(
+            int(piece["batch_size"]),
+            int(piece["seed"]),
+            int(piece["epoch"]),
+            tuple(int(size) for size in piece["planned"]),
+            int(piece.get("epoch_offset", 0)),  # (added after checkpoints were written without it)
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "batch_size": self.batch_size,
+            "seed": self.seed,
+            "epoch": self.epoch,
+            "planned": list(self.planned),
+            "epoch_offset": self.epoch_offset,
+        }
+
+
+@dataclass(frozen=True)
 class ResumePoint:
     """Where a resumed run picks up an epoch.
 
@@ -139,15 +178,14 @@ class WindowSchedule:
         seed: seed of the shuffling permutation; identical on all ranks.
         epoch: returns the epoch of the data being iterated (read when an epoch's iterator starts).
         epoch_limit: most samples an epoch feeds (None: the whole dataset).
-        samples_left: returns how many samples the fit may still train (read when an epoch's iterator
+        weight_left: returns the weight the fit may still train, in the unit (read when an epoch's iterator
             starts, when every window planned before has been trained); ``math.inf`` when unbounded.
             The window that reaches it is cut to exactly what is left.
-        trained: returns the weight the fit has trained (read when an epoch's iterator starts, as ``samples_left``).
+        trained: returns the weight the fit has trained (read when an epoch's iterator starts, as ``weight_left``).
         planner: a fixed schedule: the batch size of the window that starts after a given weight trained (None: the
             controller's ``batch_size``, which a decision changes).
-        lengths: the tokens of every sample of the dataset, by index, where batches are counted in tokens (None:
-            in samples).
-        max_micro_batch_tokens: most padded tokens in one slot, where batches are counted in tokens.
+        unit: what batch sizes count; it cuts a window's samples into slots (:meth:`cut`).
+        weights: every sample's weight in the unit, by dataset index (an int64 tensor; None: every sample weighs 1).
     """
 
     batch_size: int
@@ -157,11 +195,11 @@ class WindowSchedule:
     seed: int = 0
     epoch: Callable[[], int] = lambda: 0
     epoch_limit: int | None = None
-    samples_left: Callable[[], float] = lambda: math.inf
+    weight_left: Callable[[], float] = lambda: math.inf
     trained: Callable[[], int] = lambda: 0
     planner: Callable[[int], int] | None = None
-    lengths: Any = None
-    max_micro_batch_tokens: int | None = None
+    unit: Unit = field(default_factory=Unit)
+    weights: Any = None
     current: EpochPlan = field(default_factory=EpochPlan)
     # where a run resumed in the middle of an epoch picks it up
     resume_from: ResumePoint | None = None
@@ -181,20 +219,15 @@ class WindowSchedule:
         """The schedule's piece of the checkpoint: the batch size asked for, the shuffling seed, the data's epoch being
         trained, the batch sizes of the windows planned that no optimizer step has averaged yet, and how far the
         training loop's epoch count runs ahead of the data's."""
-        return {
-            "batch_size": self.batch_size,
-            "seed": self.seed,
-            "epoch": self.current.epoch,
-            "planned": self.current.pending,
-            "epoch_offset": self.epoch_offset,
-        }
+        piece = SchedulePiece(
+            self.batch_size, self.seed, self.current.epoch, tuple(self.current.pending), self.epoch_offset
+        )
+        return piece.state_dict()
 
-    def load_state_dict(self, state: dict[str, Any], resume_from: ResumePoint | None = None) -> None:
-        """Take a checkpoint's piece back (the batch size already brought within this fit's bounds); a resumed
-        epoch starts at ``resume_from``."""
-        self.batch_size = int(state["batch_size"])
-        self.seed = int(state["seed"])
-        self.epoch_offset = int(state.get("epoch_offset", 0))
+    def load_state_dict(self, piece: SchedulePiece, resume_from: ResumePoint | None = None) -> None:
+        """Take a checkpoint's piece back (its batch size already brought within this fit's bounds, its epoch offset
+        the resumed fit's); a resumed epoch starts at ``resume_from``."""
+        self.batch_size, self.seed, self.epoch_offset = piece.batch_size, piece.seed, piece.epoch_offset
         self.resume_from = resume_from
 
     def measurable(self) -> int:
@@ -220,22 +253,28 @@ class WindowSchedule:
 
     def typical_window(self, asked: float) -> Window:
         """A window of the batch ``asked`` for as the schedule would plan it, before the epoch's samples are known (for
-        estimates): of ``asked`` samples, or, counted in tokens, of as many samples as the data's mean tokens give,
-        their lengths spread as the data's are (evenly spaced quantiles: padding depends on the spread)."""
-        if self.lengths is None:
+        estimates): of ``asked`` samples; where samples weigh unalike, of as many as the data's mean weight gives,
+        their weights spread as the data's are (evenly spaced quantiles: padding depends on the spread)."""
+        if self.weights is None:
             return self.plan(max(1, int(asked)))
-        ordered = self.lengths.sort().values
+        ordered = self.weights.sort().values
         samples = max(self.measurable(), round(asked / float(ordered.double().mean())))
         picks = torch.linspace(0, len(ordered) - 1, samples).round().long()
-        return self.plan_tokens(ordered[picks].tolist())
+        return self.cut(self.plan(samples), ordered[picks].tolist())
 
-    def plan_tokens(self, lengths: list[int]) -> Window:
-        """A window of samples of these ``lengths`` (in the epoch's order), cut into slots by their tokens."""
-        return plan_token_window(
-            lengths,
+    def cut(self, window: Window, weights: list[int] | None) -> Window:
+        """The slots of ``window``'s samples (of these ``weights``, where samples weigh unalike), as the unit cuts
+        them."""
+        return self.unit.cut(
+            window,
+            weights,
             self.world_size,
-            self.max_micro_batch_tokens,
             self.max_micro_batch_size,
             self.min_micro_batches,
-            even_micro_batches=self.min_micro_batches >= 2,
+            even=self.min_micro_batches >= 2,
         )
+
+    def weights_in(self, order: Any) -> Any:
+        """The weights of the samples of an epoch's ``order`` (a tensor of dataset indices), in that order; None where
+        every sample weighs 1."""
+        return None if self.weights is None else self.weights[order]

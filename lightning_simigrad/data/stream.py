@@ -10,7 +10,7 @@ micro-batches (at least the measurement's minimum, even where the halves are hal
 sizes move in steps of ``W b`` samples.
 
 Every rank draws its ``m`` loader batches, then every rank learns every rank's counts in one gather of a few
-integers per window (:data:`Exchange`), so each window's sizes are exact on all ranks before its first micro-batch
+integers per window (:data:`GatherCounts`), so each window's sizes are exact on all ranks before its first micro-batch
 trains: every step's gradient is the mean over exactly its samples, however short a worker's last batch is. A rank
 whose stream has run dry feeds its last batch again with zero weight while the others finish theirs (every sample
 once per pass; under ``drop_last`` the pass ends, for every rank, at the first window a rank cannot fill). A window
@@ -25,6 +25,7 @@ is the loader's state before it and the samples of it this rank trained, which a
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -32,10 +33,11 @@ from typing import Any
 import torch
 
 from lightning_simigrad.core.plan import Window
+from lightning_simigrad.data.planner import EpochPlanner
 from lightning_simigrad.data.schedule import EpochPlan, WindowSchedule
 
 __all__ = [
-    "Exchange",
+    "GatherCounts",
     "StreamPosition",
     "StreamWindows",
     "count_samples",
@@ -45,7 +47,7 @@ __all__ = [
 ]
 
 # every rank's (sizes of the micro-batches it drew, its stream ran dry): one gather per window
-Exchange = Callable[[list[int], bool], list[tuple[list[int], bool]]]
+GatherCounts = Callable[[list[int], bool], list[tuple[list[int], bool]]]
 
 
 def count_samples(batch: Any) -> int:
@@ -152,7 +154,7 @@ class StreamWindows:
         schedule: the shared :class:`WindowSchedule` (its ``max_micro_batch_size`` is not used: a micro-batch is a
             loader batch).
         rank, world_size: this rank among the data-parallel ranks.
-        exchange: gathers every rank's counts (one call per window, on every rank in the same order).
+        gather_counts: gathers every rank's counts (one call per window, on every rank in the same order).
     """
 
     def __init__(
@@ -161,18 +163,17 @@ class StreamWindows:
         schedule: WindowSchedule,
         rank: int,
         world_size: int,
-        exchange: Exchange,
+        gather_counts: GatherCounts,
     ) -> None:
         self.loader, self.schedule, self.rank, self.world_size = loader, schedule, rank, world_size
-        self.exchange = exchange
+        self.gather_counts = gather_counts
         self.batch_size = int(loader.batch_size)
         self.drop_last = bool(getattr(loader, "drop_last", False))
         self.stateful = callable(getattr(loader, "state_dict", None)) and callable(
             getattr(loader, "load_state_dict", None)
         )
         self._resume: StreamPosition | None = None
-        # window index in the epoch -> where the stream stood before it was drawn
-        self._positions: dict[int, StreamPosition] = {}
+        self._book: _Book | None = None  # the epoch's positions, for a stateful loader
 
     # Lightning saves and restores a loader that has these before making its iterator, and then does not warn that
     # a mid-epoch resume restarts it: SimiGrad records the position itself (`position`)
@@ -190,77 +191,56 @@ class StreamWindows:
     def position(self) -> StreamPosition | None:
         """Where this rank's stream stood before the first window of the epoch no optimizer step has averaged (None:
         the loader has no state, or nothing was drawn yet)."""
-        return self._positions.get(self.schedule.current.first_pending)
+        return self._book.at.get(self.schedule.current.first_pending) if self._book is not None else None
 
     def __iter__(self) -> Iterator[Any]:
-        schedule, plan_epoch = self.schedule, self.schedule.epoch()
-        resume = schedule.resume_from
-        position, replay = 0, []
+        schedule = self.schedule
+        planner = EpochPlanner(schedule, schedule.epoch())
         resumed_at, self._resume = self._resume, None  # the first epoch iterated; a later one goes on from here
-        inside = resume is not None and resume.epoch == plan_epoch
-        if resume is not None and inside:
-            position, replay = resume.samples_done, list(resume.planned)
         if resumed_at is not None:
             self.loader.load_state_dict(resumed_at.loader_state)
-        skip = resumed_at.skip if resumed_at is not None and inside else 0
-        before_epoch = schedule.trained() - position
-        # the fit's budget cuts the window that reaches it; windows after it are drawn but never trained (the run
-        # stops the fit), so the epoch does not look finished to Lightning, as with any stop inside an epoch
-        budget = schedule.samples_left()
-        plan = EpochPlan(plan_epoch, end=position, planned=position)
-        schedule.current, self._positions = plan, {}
-        if resumed_at is not None and inside and self.stateful:  # the first window's position is the checkpoint's
-            self._positions[0] = resumed_at
-        batches = _passing_over(iter(self.loader), skip)
+        inside = resumed_at if planner.resumed else None  # a position inside this epoch: its first window starts there
+        self._book = book = _Book(self.loader, inside) if self.stateful else None
+        batches = _passing_over(iter(self.loader), inside.skip if inside is not None else 0)
         last: Any = None  # this rank's last batch: what it feeds, weighed by zero, when it has none
         dry = False
         while True:
-            requested = replay.pop(0) if replay else schedule.requested(before_epoch + position)
+            requested = planner.asked()
             m = micro_batches_for(requested, self.world_size, self.batch_size, schedule.min_micro_batches)
-            before: StreamPosition | None = None
-            if self.stateful:  # the position a checkpoint written before this window trains records
-                for index in [i for i in self._positions if i < plan.first_pending]:
-                    del self._positions[index]
-                before = self._positions.setdefault(plan.planned_windows, StreamPosition(self.loader.state_dict()))
-            drawn = _Drawn([], dry)
-            while not drawn.dry and len(drawn.batches) < m:
-                try:
-                    drawn.batches.append(next(batches))
-                except StopIteration:
-                    drawn.dry = True
+            before = book.before(planner.plan) if book is not None else None
+            drawn = _draw(batches, m, dry, book)
             dry = drawn.dry
-            window, batches_fed, cut = self._window(drawn, m, budget)
+            window, batches_fed, cut = self._window(drawn, m, planner.budget)
             if window is None:
-                plan.last_window, plan.ends_epoch = plan.planned_windows - 1, True
-                if self.stateful:  # the pass is over: a checkpoint at the epoch's end records the loader's end
-                    self._positions[plan.planned_windows] = StreamPosition(self.loader.state_dict())
+                planner.finish()
+                if book is not None:  # the pass is over: a checkpoint at the epoch's end records the loader's end
+                    book.ended(planner.plan.planned_windows)
                 return
-            if before is not None and cut:
-                # cut by the budget: what this rank drew past its share is trained after a resume, not lost
-                taken = before.skip + sum(micro[self.rank] for micro in window.sizes)
-                self._positions[plan.planned_windows + 1] = StreamPosition(before.loader_state, taken)
-            budget -= window.total
-            plan.append(window, requested)
-            plan.planned = plan.end = position + window.total
-            position += window.total
+            if book is not None and before is not None and cut:  # what this rank drew past its share trains later
+                book.cut(planner.plan.planned_windows + 1, before, sum(micro[self.rank] for micro in window.sizes))
+            planner.record(window, requested)
             for j in range(window.num_micro_batches):
-                if window.sizes[j][self.rank]:
-                    last = batches_fed[j]
-                    yield last
-                elif last is not None:
-                    yield last  # a zero-weight sample: every rank steps
-                else:
-                    raise RuntimeError(
-                        f"Rank {self.rank}'s training stream yielded no sample in epoch {plan_epoch} while other"
-                        " ranks' did, so it has nothing to step with. Give every rank a share of the stream (shard it"
-                        " by rank with as many shards as ranks, or LitData's `StreamingDataset`, which does)."
-                    )
+                last = self._hand_out(window, j, batches_fed, last, planner.plan.epoch)
+                yield last
+
+    def _hand_out(self, window: Window, j: int, batches: list[Any], last: Any, epoch: int) -> Any:
+        """This rank's batch of micro-batch ``j``; where it has none, its last batch again, which the run weighs by
+        zero (every rank steps)."""
+        if window.sizes[j][self.rank]:
+            return batches[j]
+        if last is not None:
+            return last
+        raise RuntimeError(
+            f"Rank {self.rank}'s training stream yielded no sample in epoch {epoch} while other ranks' did, so it has"
+            " nothing to step with. Give every rank a share of the stream (shard it by rank with as many shards as"
+            " ranks, or LitData's `StreamingDataset`, which does)."
+        )
 
     def _window(self, drawn: _Drawn, m: int, budget: float) -> tuple[Window | None, list[Any], bool]:
         """The window every rank agrees on from what each drew (None: the pass ends), this rank's batches, and whether
         the fit's budget cut it short of what was drawn."""
         sizes = [count_samples(batch) for batch in drawn.batches]
-        rows = self.exchange(sizes + [0] * (m - len(sizes)), drawn.dry)
+        rows = self.gather_counts(sizes + [0] * (m - len(sizes)), drawn.dry)
         if len(rows) != self.world_size or any(len(row) != m for row, _ in rows):
             raise RuntimeError(
                 "The ranks planned windows of different numbers of micro-batches from their streams; this is a bug"
@@ -279,6 +259,66 @@ class StreamWindows:
         if cut:  # the fit's last window: exactly what is left, in slot order
             grid, batches = _cut_to(grid, batches, int(max(budget, 1)), self.rank)
         return Window(tuple(tuple(micro) for micro in grid)), batches, cut
+
+
+def _draw(batches: Iterator[Any], m: int, dry: bool, book: _Book | None) -> _Drawn:
+    """Up to ``m`` of this rank's loader batches (fewer where its stream runs dry)."""
+    drawn = _Drawn([], dry)
+    while not drawn.dry and len(drawn.batches) < m:
+        try:
+            drawn.batches.append(next(batches))
+        except StopIteration:
+            drawn.dry = True
+    if book is not None:
+        book.drew(sum(count_samples(batch) for batch in drawn.batches))
+    return drawn
+
+
+class _Book:
+    """Where this rank's stream stood before each window of the epoch: the loader's last snapshot and the samples drawn
+    since it, which a resumed rank draws again and passes over.
+
+    A loader's ``state_dict()`` can cost as much as a window's training (LitData builds it from every worker's state),
+    so a snapshot is taken before a window only once the time since the last one is :data:`SNAPSHOT_EVERY` times what
+    that one took: the snapshots cost about 1% of the time, and a resume passes over at most the samples drawn since.
+    """
+
+    def __init__(self, loader: Any, start: StreamPosition | None) -> None:
+        self.loader = loader
+        self.snapshot: Any = start.loader_state if start is not None else None  # None: none taken yet
+        self.since = start.skip if start is not None else 0  # this rank's samples drawn since the snapshot
+        # a resumed position stands until the first draw has passed over its samples (the loader's state before
+        # that would leave them out)
+        self.may_refresh = start is None
+        self.at: dict[int, StreamPosition] = {}  # window index in the epoch -> where the stream stood before it
+        self.taken_at, self.cost = 0.0, 0.0
+
+    def before(self, plan: EpochPlan) -> StreamPosition:
+        """The position before the next window (``plan.planned_windows``); positions of windows trained are dropped."""
+        for index in [i for i in self.at if i < plan.first_pending]:
+            del self.at[index]
+        now = time.perf_counter()
+        if self.snapshot is None or (self.may_refresh and now - self.taken_at >= SNAPSHOT_EVERY * self.cost):
+            self.snapshot, self.since = self.loader.state_dict(), 0
+            self.taken_at = time.perf_counter()
+            self.cost = self.taken_at - now
+        return self.at.setdefault(plan.planned_windows, StreamPosition(self.snapshot, self.since))
+
+    def drew(self, samples: int) -> None:
+        self.since += samples
+        self.may_refresh = True
+
+    def cut(self, index: int, before: StreamPosition, taken: int) -> None:
+        """Window ``index - 1``, drawn from ``before``, was cut by the fit's budget after this rank's ``taken``
+        samples: window ``index`` starts there."""
+        self.at[index] = StreamPosition(before.loader_state, before.skip + taken)
+
+    def ended(self, index: int) -> None:
+        """The pass ended before window ``index``: its position is the loader's end."""
+        self.at[index] = StreamPosition(self.loader.state_dict())
+
+
+SNAPSHOT_EVERY = 100  # a loader snapshot once the time since the last is this many times what it took (~1%)
 
 
 def _passing_over(batches: Iterator[Any], skip: int) -> Iterator[Any]:

@@ -115,10 +115,7 @@ class VariableAccumulation:
                 " micro-batches as a window needs; bound a micro-batch's memory with `max_micro_batch_size`)."
             )
         self._set_length = window_length
-        self.window_start = start
-        self.window_end = end
-        self.loss_divisor = loss_divisor
-        self.reduces = reduces
+        self.window_start, self.window_end, self.loss_divisor, self.reduces = start, end, loss_divisor, reduces
         trainer.accumulate_grad_batches = window_length
 
     def _make_zero_grad_fn(self, batch_idx: int, optimizer: Optimizer) -> Callable[[], None] | None:

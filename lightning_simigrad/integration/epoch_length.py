@@ -39,7 +39,7 @@ class EpochLength:
         else:
             # the epoch's samples left, and the fit's budget (in the batch's unit) read in samples
             per_sample = window.weight / window.total
-            samples = min(epoch_samples - run.counts.epoch_samples_done, max(run.samples_left() / per_sample, 1))
+            samples = min(epoch_samples - run.counts.epoch_samples_done, max(run.weight_left() / per_sample, 1))
             micro_batches = math.ceil(samples * window.num_micro_batches / window.total)
         epoch_loop = trainer.fit_loop.epoch_loop
         done = epoch_loop.batch_progress.current.completed if epoch_loop.restarting else 0

@@ -19,12 +19,12 @@ from typing_extensions import override
 from lightning_simigrad.core.controller import BatchSizeController
 from lightning_simigrad.core.settings import Settings
 from lightning_simigrad.data.schedule import WindowSchedule
+from lightning_simigrad.exchange import gather_objects
 from lightning_simigrad.integration.reporting import Reporting
-from lightning_simigrad.integration.session import Carried, FitSession, Resume
+from lightning_simigrad.integration.session import Carried, FitSession
 from lightning_simigrad.integration.spawn_results import Origin
 from lightning_simigrad.run import Run
-from lightning_simigrad.state.checkpoint import compose, validate_state
-from lightning_simigrad.state.gather import every_rank
+from lightning_simigrad.state.checkpoint import Saved, compose, validate_state, with_every_rank
 
 __all__ = ["Readings"]
 
@@ -41,7 +41,7 @@ class Readings(Callback):
         self.reporting = Reporting(settings.history_size)
         self._session: FitSession | None = None  # the fit being run in this process
         self._carried = Carried()  # what the last fit in this process left: its run, which a next fit continues
-        self._finished: dict[str, Any] = {}  # the state of a fit that ran in spawned processes, and its summary
+        self._finished: Saved | None = None  # the state of a fit that ran in spawned processes, and its summary
         self._finished_summary: dict[str, int] = {}
         self._origin = Origin.of(self)
 
@@ -61,17 +61,20 @@ class Readings(Callback):
     @property
     def batch_size(self) -> int | None:
         """The global batch size the next window will be planned with (None before fit)."""
-        return self._state().get("schedule", {}).get("batch_size")
+        saved = self._state()
+        return saved.schedule.batch_size if saved is not None else None
 
     @property
     def samples_seen(self) -> int:
         """Samples the fit's optimizer steps have averaged."""
-        return int(self._state().get("counts", {}).get("samples_seen", 0))
+        saved = self._state()
+        return saved.counts.samples_seen if saved is not None else 0
 
     @property
     def steps(self) -> int:
         """Optimizer steps the fit has taken."""
-        return int(self._state().get("counts", {}).get("steps", 0))
+        saved = self._state()
+        return saved.counts.steps if saved is not None else 0
 
     @property
     def controller(self) -> BatchSizeController | None:
@@ -80,10 +83,10 @@ class Readings(Callback):
         run = self.run
         if run is not None:
             return run.controller
-        if "controller" not in self._finished:
+        if self._finished is None:
             return None
-        controller = BatchSizeController(**self.settings.controller_args(self._finished["run"]["initial_batch_size"]))
-        controller.load_state_dict(self._finished["controller"])
+        controller = BatchSizeController(**self.settings.controller_args(self._finished.facts.initial_batch_size))
+        controller.load_state_dict(self._finished.controller)
         return controller
 
     @property
@@ -110,10 +113,11 @@ class Readings(Callback):
         run = self.run
         if run is not None:
             return compose(run.state_dict())
-        resume = self._session.resume if self._session is not None else None
-        if resume is not None and resume.state is not None:  # restored, and not trained from yet
-            return dict(resume.state)
-        return dict(self._state())
+        saved = self._session.saved if self._session is not None else None
+        if saved is not None:  # restored, and not trained from yet
+            return saved.state_dict()
+        finished = self._state()
+        return finished.state_dict() if finished is not None else {}
 
     @override
     def on_save_checkpoint(
@@ -122,14 +126,13 @@ class Readings(Callback):
         state = checkpoint.get("callbacks", {}).get(self.state_key)
         run = self.run
         if state and run is not None:
-            # every rank's: a collective, on all ranks as Lightning's own saving is (it ends in a barrier)
-            state["rng"] = every_rank(run.generators_to_save())
-            # the fit's stream, or the last fit's (`trainer.save_checkpoint` after `fit`)
-            stream = self._session.stream if self._session is not None else self._carried.stream
-            if stream is not None and stream.stateful:  # where each rank's stream resumes
-                positions = every_rank(stream.position())
-                state["stream"] = [p.loader_state if p is not None else None for p in positions]
-                state["stream_skip"] = [p.skip if p is not None else 0 for p in positions]
+            # every rank's: a collective, on all ranks as Lightning's own saving is (it ends in a barrier). The fit's
+            # source, or the last fit's (`trainer.save_checkpoint` after `fit`): where each rank's resumes
+            source = self._session.source if self._session is not None else self._carried.source
+            keeps = source is not None and source.keeps_position
+            position = source.position() if source is not None and keeps else None
+            pieces = gather_objects((run.generators_to_save(), position))  # one gather, every rank's pieces
+            with_every_rank(state, [rng for rng, _ in pieces], [p for _, p in pieces] if keeps else None)
 
     @override
     def on_load_checkpoint(
@@ -138,16 +141,16 @@ class Readings(Callback):
         # Lightning calls `load_state_dict` only when the checkpoint holds a state for this callback
         self._carried = Carried(None, self._carried.tuned_from)
         if self._session is not None:
-            self._session.resume_from(Resume(None))
+            self._session.resume_from(None)
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         trainer = self._session.trainer if self._session is not None else None
         where = str(trainer.ckpt_path) if trainer is not None and trainer.ckpt_path else "the checkpoint"
-        resume = Resume(validate_state(state_dict, where))
+        saved = Saved.of(validate_state(state_dict, where))
         self._carried = Carried(None, self._carried.tuned_from)
         if self._session is not None:
-            self._session.resume_from(resume)
+            self._session.resume_from(saved)
 
     # ------------------------------------------------------------------------------ ddp_spawn
     def spawn_state(self) -> dict[str, Any]:
@@ -158,7 +161,8 @@ class Readings(Callback):
 
     def load_spawn_state(self, state: dict[str, Any]) -> None:
         self.reporting.history = list(state["history"])
-        self._finished, self._finished_summary = dict(state["state"]), dict(state["summary"])
+        self._finished = Saved.of(state["state"]) if state["state"] else None
+        self._finished_summary = dict(state["summary"])
         self._carried = Carried(None, self._carried.tuned_from)
 
     def _receive(self) -> None:
@@ -166,9 +170,10 @@ class Readings(Callback):
         if state is not None:
             self.load_spawn_state(state)
 
-    def _state(self) -> dict[str, Any]:
+    def _state(self) -> Saved | None:
+        """The fit's state: the run's, or a spawned fit's (None before any)."""
         self._receive()
         run = self.run
         if run is not None:
-            return compose(run.state_dict())
+            return Saved.of(compose(run.state_dict()))
         return self._finished

@@ -22,9 +22,10 @@ from lightning.pytorch.strategies import (
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch.utils.data import DataLoader, IterableDataset
 
+from lightning_simigrad.core.units import Unit
 from lightning_simigrad.measurement.sharding import refuse_unserved_fsdp1
 
-__all__ = ["check_dataloader", "refuse_lengths_over_a_stream", "refuse_several_optimizers", "refuse_unsupported"]
+__all__ = ["check_dataloader", "refuse_weights_over_a_stream", "refuse_several_optimizers", "refuse_unsupported"]
 
 
 def refuse_unsupported(trainer: pl.Trainer, pl_module: pl.LightningModule, max_micro_batch_size: int | None) -> None:
@@ -92,12 +93,13 @@ def check_dataloader(loader: Any) -> None:
         ) from None
 
 
-def refuse_lengths_over_a_stream(lengths: Any) -> None:
-    """Windows in tokens are planned over positions known ahead; a stream's windows are sized from what arrives."""
-    if lengths is not None:
+def refuse_weights_over_a_stream(unit: Unit) -> None:
+    """Windows of weighted samples are planned over positions known ahead; a stream's windows are sized from what
+    arrives."""
+    if unit.weighted:
         raise RuntimeError(
-            "`lengths` plans windows to token budgets over a map-style dataset, whose samples and their lengths are"
-            " known ahead; this training DataLoader is a stream (an IterableDataset). Over a stream, batches count"
-            " the stream's samples: leave out `lengths` (and `max_micro_batch_tokens`) and keep `loss_items`, which"
-            " weighs every token of a step exactly over a stream too."
+            f"`{unit.setting}` plans windows to budgets of {unit.name} over a map-style dataset, whose samples and"
+            " their weights are known ahead; this training DataLoader is a stream (an IterableDataset). Over a"
+            f" stream, batches count the stream's samples: leave out `{unit.setting}` (and `max_micro_batch_tokens`)"
+            " and keep `loss_items`, which weighs every token of a step exactly over a stream too."
         )

@@ -68,13 +68,14 @@ class Reporting:
             "simigrad/samples_seen": float(step.total_span[1]),
             "simigrad/noise_scale": run.controller.noise_scale,
         }
-        if run.settings.counts_tokens:  # the batch counts tokens: its samples beside it, and the fit's tokens
+        unit = run.settings.batch_unit
+        if unit.weighted:  # the batch counts a weight (tokens): its samples beside it, and the fit's weight
             row["simigrad/batch_samples"] = float(step.samples)
-            row["simigrad/tokens_seen"] = float(run.counts.weight_seen)
-            # the noise scale counts samples (the halves' statistics do); in the batch's unit, at the step's tokens
+            row[f"simigrad/{unit.name}_seen"] = float(run.counts.weight_seen)
+            # the noise scale counts samples (the halves' statistics do); in the batch's unit, at the step's weight
             # per sample (docs/measurement.md, "In tokens")
             per_sample = step.weight / step.samples if step.samples else math.nan
-            row["simigrad/noise_scale_tokens"] = run.controller.noise_scale * per_sample
+            row[f"simigrad/noise_scale_{unit.name}"] = run.controller.noise_scale * per_sample
         if self.history_size != 0:
             self.history.append({"step": float(step.index), **{k.split("/", 1)[1]: v for k, v in row.items()}})
             if self.history_size is not None and len(self.history) > self.history_size:
@@ -98,23 +99,24 @@ class Reporting:
     def summary(self, run: Run) -> dict[str, int]:
         """The fit so far in numbers: optimizer steps, samples, batch-size range, and the steps B0 would take."""
         low, high = self.batch_range
-        tokens = {"tokens": run.counts.weight_seen} if run.settings.counts_tokens else {}
+        unit = run.settings.batch_unit
+        weight = {unit.name: run.counts.weight_seen} if unit.weighted else {}
         return {
             "optimizer_steps": run.counts.steps,
             "samples": run.counts.samples_seen,
-            **tokens,
+            **weight,
             "initial_batch_size": run.b0,
             "min_batch_size": low if high else 0,
             "max_batch_size": high,
             "steps_at_initial_batch_size": self.b0_steps,
         }
 
-    def announce(self, trainer: pl.Trainer, numbers: dict[str, int]) -> None:
-        """The summary, logged once on rank zero and put in a W&B run's summary table."""
+    def announce(self, trainer: pl.Trainer, numbers: dict[str, int], unit: str = "samples") -> None:
+        """The summary, logged once on rank zero and put in a W&B run's summary table; batch sizes count ``unit``."""
         ratio = numbers["steps_at_initial_batch_size"] / max(1, numbers["optimizer_steps"])
         over = f"{numbers['samples']} samples"
-        if "tokens" in numbers:  # batch sizes count tokens
-            over = f"{numbers['tokens']} tokens ({numbers['samples']} samples), batch size in tokens"
+        if unit in numbers and unit != "samples":  # batch sizes count a weight of each sample's
+            over = f"{numbers[unit]} {unit} ({numbers['samples']} samples), batch size in {unit}"
         else:
             over += ", batch size"
         rank_zero_info(

@@ -12,7 +12,7 @@ started), from the checkpoint being resumed if any, or carried over from the cal
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
@@ -21,13 +21,10 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
 from lightning_simigrad import _compat
-from lightning_simigrad.core.sample_counts import Data
 from lightning_simigrad.core.settings import Settings
-from lightning_simigrad.data.lengths import sample_lengths
-from lightning_simigrad.data.stream import StreamWindows
-from lightning_simigrad.integration import neighbours, refusals, streams, trainer_facts
+from lightning_simigrad.integration import neighbours, refusals, trainer_facts
 from lightning_simigrad.integration.accumulation import VariableAccumulation
-from lightning_simigrad.integration.data_source import AdaptiveDataSource, adaptive_loader
+from lightning_simigrad.integration.data_source import AdaptiveDataSource, Source, WeightsRead, source_for
 from lightning_simigrad.integration.epoch_length import EpochLength
 from lightning_simigrad.integration.lr_scaler import StepLRScaler
 from lightning_simigrad.integration.progress_bar import BarPostfix
@@ -36,9 +33,10 @@ from lightning_simigrad.integration.sample_schedules import SampleSchedules
 from lightning_simigrad.measurement.factory import measurement_for
 from lightning_simigrad.measurement.protocol import loss_scale_of
 from lightning_simigrad.run import Run
+from lightning_simigrad.state.checkpoint import Saved
 from lightning_simigrad.state.resume import Restart
 
-__all__ = ["Carried", "FitSession", "Phase", "Resume"]
+__all__ = ["Carried", "FitSession", "Phase"]
 
 
 class Phase(enum.Enum):
@@ -49,19 +47,12 @@ class Phase(enum.Enum):
 @dataclass(frozen=True)
 class Carried:
     """What a fit leaves to the callback's next fit: its run (which the next fit continues), the batch size the
-    DataLoader had before a ``BatchSizeFinder`` tuned it (B0's, the batch the learning rate belongs to), and its stream
-    (where a checkpoint written after the fit resumes it)."""
+    DataLoader had before a ``BatchSizeFinder`` tuned it (B0's, the batch the learning rate belongs to), and its
+    training data's source (where a checkpoint written after the fit resumes it)."""
 
     run: Run | None = None
     tuned_from: int | None = None
-    stream: StreamWindows | None = None
-
-
-@dataclass(frozen=True)
-class Resume:
-    """The checkpoint a fit resumes from: SimiGrad's validated state in it, or None when it has none."""
-
-    state: dict[str, Any] | None
+    source: Source | None = None
 
 
 class FitSession:
@@ -94,9 +85,11 @@ class FitSession:
         self.phase = Phase.TUNING if tuning else Phase.TRAINING
         before = neighbours.batch_size_before_tuning(trainer, pl_module) if tuning else None
         self.tuned_from = before if before is not None else carried.tuned_from
-        self.resume: Resume | None = None  # set when Lightning restores a checkpoint, before the data loads
-        self.stream: StreamWindows | None = None  # the training data, when it is a stream
-        self._lengths: tuple[Any, Any] | None = None  # the dataset and its samples' tokens (``lengths``)
+        # set when Lightning restores a checkpoint, before the data loads: SimiGrad's state in it (None: it has none)
+        self.resuming = False
+        self.saved: Saved | None = None
+        self.source: Source | None = None  # where the training data comes from, once it is loaded
+        self._weights = WeightsRead()  # every sample's weight in the unit, read once per dataset
         self._restart: Restart | None = None  # the checkpoint the run started from, as Lightning restored it
         self._run = carried.run
         if self._run is not None:  # continues on this fit's model, counting its epochs
@@ -127,11 +120,12 @@ class FitSession:
         """The run exists (the training data has been loaded, and no tuner is running its trials)."""
         return self._run is not None and self.phase is Phase.TRAINING
 
-    def resume_from(self, resume: Resume) -> None:
-        """Lightning restored a checkpoint: the run is made again from it when the data loads."""
+    def resume_from(self, saved: Saved | None) -> None:
+        """Lightning restored a checkpoint (with SimiGrad's ``saved`` state, or none): the run is made again from it
+        when the data loads."""
         if self._run is not None:
             self._run.resumption.forget()  # an earlier resume's, if its fit ended before a batch
-        self._run, self.resume = None, resume
+        self._run, self.resuming, self.saved = None, True, saved
 
     # ------------------------------------------------------------------------------ the data arrives
     def _adapt_dataloader(self, loader: Any) -> Any:
@@ -139,36 +133,15 @@ class FitSession:
         if self.phase is Phase.TUNING:
             return loader
         trainer = self.trainer
-        stream = streams.is_stream(loader)
-        order = None if stream else trainer_facts.training_order(trainer, loader)
-        if stream:
-            refusals.refuse_lengths_over_a_stream(self.settings.lengths)
-            data = streams.stream_data(loader, self.settings.max_micro_batch_size)
-        else:
-            data = self._counted_in_tokens(trainer_facts.data_of(loader, order), loader.dataset)
+        source = source_for(trainer, loader, self.settings, self._weights)
         limits = trainer_facts.limits_of(trainer, self.schedules.setting)
         if self._run is None:
-            self._run = self._start_run(loader, data, limits)
+            self._run = self._start_run(loader, source.data, limits)
             self.schedules.start(self._run)
         run = self._run
-        run.reload(data, limits)  # as Lightning loads it this time (a reloaded DataLoader, a later fit's Trainer)
-        if stream:
-            state = self.resume.state if self.resume is not None else None
-            at_end = self._restart is not None and self._restart.at_epoch_end
-            self.stream = streams.stream_windows(trainer, loader, run, state, at_epoch_end=at_end)
-            return self.stream
-        self.stream = None
-        return adaptive_loader(loader, order, run.schedule, run.bounds.epoch_samples(), run.rank)
-
-    def _counted_in_tokens(self, data: Data, dataset: Any) -> Data:
-        """``data`` with every sample's tokens, where batches are counted in tokens (read once per dataset)."""
-        settings = self.settings
-        if settings.lengths is None:
-            return data
-        if self._lengths is None or self._lengths[0] is not dataset:
-            self._lengths = (dataset, sample_lengths(settings.lengths, dataset, settings.max_micro_batch_tokens))
-        tokens = self._lengths[1]
-        return replace(data, lengths=tokens, weight=int(tokens.sum()))
+        run.reload(source.data, limits)  # as Lightning loads it this time (a reloaded DataLoader, a later fit)
+        self.source = source
+        return source.adapt(run, self._restart)
 
     def _start_run(self, loader: DataLoader, data: Any, limits: Any) -> Run:
         """The fit's run, made when its training data first arrives, measuring as the strategy trains.
@@ -178,12 +151,11 @@ class FitSession:
         """
         trainer = self.trainer
         world, rank = trainer_facts.data_parallel(trainer)
-        restart = trainer_facts.restart_of(trainer, self.resume.state) if self.resume is not None else None
+        restart = trainer_facts.restart_of(trainer, self.saved) if self.resuming else None
         self._restart = restart
-        state = restart.state if restart is not None and restart.state is not None else None
         per_device = self.tuned_from or loader.batch_size
         assert per_device is not None
-        b0 = state["run"]["initial_batch_size"] if state is not None else self.settings.initial_batch_size
+        b0 = self.saved.facts.initial_batch_size if self.saved is not None else self.settings.initial_batch_size
         initial_batch_size = b0 or per_device * world * int(trainer.accumulate_grad_batches)
         return Run(
             self.settings,
@@ -220,7 +192,7 @@ class FitSession:
 
     def train_epoch_start(self, trainer: pl.Trainer) -> None:
         self.run.start_epoch()
-        if self.stream is None:  # a stream's epoch has no length: Lightning's bars count without a total
+        if self._sized:  # without a length Lightning's bars count without a total
             self.epoch_length.start_epoch(trainer, self.run)
 
     def train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any = None) -> None:
@@ -228,7 +200,7 @@ class FitSession:
         micro = run.start_micro_batch(list(pl_module.parameters()), batch)
         if micro.first:
             self.schedules.start_window(micro.window.weight)
-        if self.stream is None:
+        if self._sized:
             self.epoch_length.update(trainer, run.schedule.current)
         self.accumulation.set_micro_batch(
             micro.first, micro.last, micro.loss_divisor, micro.window.num_micro_batches, micro.reduces
@@ -258,7 +230,7 @@ class FitSession:
 
     def train_end(self, trainer: pl.Trainer) -> None:
         if self.started and trainer.is_global_zero and self.run.counts.steps:
-            self.reporting.announce(trainer, self.reporting.summary(self.run))
+            self.reporting.announce(trainer, self.reporting.summary(self.run), self.run.settings.batch_unit.name)
 
     def close(self) -> Carried:
         """The fit ended or failed: the gradient left whole, Lightning and the Trainer as they were. Returns what
@@ -268,7 +240,11 @@ class FitSession:
         for adapter in (self.accumulation, self.lr, self.monitors, self.bar, self.schedules):
             adapter.detach()
         AdaptiveDataSource.uninstall(self.trainer)
-        return Carried(self._run, self.tuned_from, self.stream)
+        return Carried(self._run, self.tuned_from, self.source)
+
+    @property
+    def _sized(self) -> bool:
+        return self.source is None or self.source.sized
 
     # ------------------------------------------------------------------------------ for the neighbours
     def _postfix(self) -> dict[str, str] | None:

@@ -17,6 +17,7 @@ from lightning_simigrad.core.sample_counts import Data, Limits
 from lightning_simigrad.data.order import EpochOrder
 from lightning_simigrad.measurement.factory import Parallelism, Training
 from lightning_simigrad.measurement.protocol import Attachment
+from lightning_simigrad.state.checkpoint import Saved
 from lightning_simigrad.state.resume import Restart
 
 __all__ = [
@@ -63,7 +64,7 @@ def epoch_being_trained(trainer: pl.Trainer) -> int:
     return int(trainer.fit_loop.epoch_progress.current.processed)  # type: ignore[attr-defined]
 
 
-def restart_of(trainer: pl.Trainer, state: dict[str, Any] | None) -> Restart:
+def restart_of(trainer: pl.Trainer, state: Saved | None) -> Restart:
     """The checkpoint the fit resumes from, as Lightning restored it; ``state`` is SimiGrad's part of it."""
     batches = trainer.fit_loop.epoch_loop.batch_progress
     written_inside = trainer.fit_loop.restarting and batches.current.ready > 0 and not batches.is_last_batch

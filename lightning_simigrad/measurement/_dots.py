@@ -49,6 +49,7 @@ All work is enqueued on the current stream, and every temporary is created and c
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -60,6 +61,7 @@ __all__ = [
     "DEVICE_CHUNK",
     "gram",
     "gram_and_add_",
+    "HalfTensors",
     "gram_and_add_all_",
     "gram_of_sum",
     "norm_weights",
@@ -160,6 +162,16 @@ def square(x: Tensor) -> Tensor:
     return _chunked(x.contiguous(), None, add=False)
 
 
+class HalfTensors(NamedTuple):
+    """A window's two halves' gradient tensors on one device: the pairs ``(a[i], b[i])`` of the parameters with a
+    gradient in both, and the unpaired pieces whose partner is zero (a parameter with a gradient in one half only)."""
+
+    a: Sequence[Tensor]
+    b: Sequence[Tensor]
+    a_only: Sequence[Tensor] = ()
+    b_only: Sequence[Tensor] = ()
+
+
 def gram_and_add_all_(
     a: Sequence[Tensor],
     b: Sequence[Tensor],
@@ -179,12 +191,13 @@ def gram_and_add_all_(
     alike by several ranks (a replicated mesh dimension) is weighed by one over their number, so that the
     ranks' products add up to the whole gradient's.
     """
+    halves = HalfTensors(a, b, a_only, b_only)
     first = next((t for t in (*a, *a_only, *b, *b_only)), None)
     if first is not None and first.device.type == "cpu":
         streamed = [i for i, (x, y) in enumerate(zip(a, b)) if _streams(x, y)]
         if streamed:
-            return _stream_large_pairs(a, b, a_only, b_only, weights, streamed)
-    return _fused_gram_and_add_all_(a, b, a_only, b_only, weights)
+            return _stream_large_pairs(halves, weights, streamed)
+    return _fused_gram_and_add_all_(halves, weights)
 
 
 # CPU: pairs of at least this many elements are streamed through the cache in chunks (`gram_and_add_`)
@@ -195,16 +208,10 @@ def _streams(x: Tensor, y: Tensor) -> bool:
     return x.numel() >= STREAM_AT_LEAST and x.is_contiguous() and y.is_contiguous() and x.dtype == y.dtype
 
 
-def _stream_large_pairs(
-    a: Sequence[Tensor],
-    b: Sequence[Tensor],
-    a_only: Sequence[Tensor],
-    b_only: Sequence[Tensor],
-    weights: Tensor | None,
-    streamed: list[int],
-) -> Tensor:
+def _stream_large_pairs(halves: HalfTensors, weights: Tensor | None, streamed: list[int]) -> Tensor:
     """CPU: the large pairs one chunk at a time (three dots and the addition on what sits in cache), the rest through
     the fused ops; the same products and the same sums ``b += a`` as :func:`_fused_gram_and_add_all_`."""
+    a, b, a_only, b_only = halves
     large = torch.stack([gram_and_add_(a[i], b[i]) for i in streamed])  # rows [a.a, a.b, b.b]: [s.s, s.r, r.r]
     chosen = set(streamed)
     rest = [i for i in range(len(a)) if i not in chosen]
@@ -215,18 +222,14 @@ def _stream_large_pairs(
         large = large * pairs[streamed].unsqueeze(1)
         kept = pairs[rest]
         rest_weights = torch.cat([kept, weights[na : na + nao], kept, weights[2 * na + nao : 2 * na + nao + nbo], kept])
-    others = _fused_gram_and_add_all_([a[i] for i in rest], [b[i] for i in rest], a_only, b_only, rest_weights)
+    the_rest = HalfTensors([a[i] for i in rest], [b[i] for i in rest], a_only, b_only)
+    others = _fused_gram_and_add_all_(the_rest, rest_weights)
     return large.sum(0).to(others) + others
 
 
-def _fused_gram_and_add_all_(
-    a: Sequence[Tensor],
-    b: Sequence[Tensor],
-    a_only: Sequence[Tensor] = (),
-    b_only: Sequence[Tensor] = (),
-    weights: Tensor | None = None,
-) -> Tensor:
+def _fused_gram_and_add_all_(halves: HalfTensors, weights: Tensor | None = None) -> Tensor:
     """:func:`gram_and_add_all_` in a constant number of fused multi-tensor ops."""
+    a, b, a_only, b_only = halves
     first = next((t for t in (*a, *a_only, *b, *b_only)), None)
     if first is None:
         return torch.zeros(3, dtype=torch.float64)

@@ -7,9 +7,10 @@ Every measurement is a :class:`ComposedMeasurement` of two parts:
   (:mod:`~lightning_simigrad.measurement.time_halves`), or two groups of ranks inside a reduction (DDP's
   communication hook, :mod:`~lightning_simigrad.measurement.rank_groups`; FSDP1's reduce-scatter,
   :mod:`~lightning_simigrad.measurement.reduce_scatter_groups`);
-- its **exchange** (:class:`~lightning_simigrad.measurement.rows.Exchange`): none on one process, one all-gather of
-  a row per rank otherwise, with the failure protocol every rank follows alike
-  (:mod:`~lightning_simigrad.measurement.rows`).
+- its **exchange** (:class:`~lightning_simigrad.exchange.Rows`): none on one process, one all-gather of a row per
+  rank otherwise, with the failure protocol every rank follows alike (:mod:`~lightning_simigrad.measurement.rows`).
+  The run may declare more numbers for the row to carry (:class:`~lightning_simigrad.measurement.protocol.Columns`): a
+  step still costs one exchange.
 
 The halves leave, at the window's end, up to four products of the two halves' *shares* :math:`a` and :math:`b` of
 the window's gradient :math:`g = a + b` (each sample weighed by :math:`1 / N`), and say how the summed products
@@ -30,8 +31,9 @@ from torch import Tensor
 
 from lightning_simigrad.core.plan import Window
 from lightning_simigrad.core.statistics import HalfStats
-from lightning_simigrad.measurement.protocol import Attachment, LossScale, MeasurementError, loss_scale_of
-from lightning_simigrad.measurement.rows import Exchange, Stage, failed_row, row, verdict
+from lightning_simigrad.exchange import Rows
+from lightning_simigrad.measurement.protocol import Attachment, Columns, LossScale, MeasurementError, loss_scale_of
+from lightning_simigrad.measurement.rows import Outcome, failed_row, row, verdict
 
 __all__ = ["ComposedMeasurement", "Finished", "Halves", "MeasurementSkipped", "halves_of"]
 
@@ -47,14 +49,14 @@ class Finished:
     Args:
         products: up to four products of the halves' shares, on the device (None: none on this rank).
         items: ``(n_A, n_B, N)``, the samples behind each half and the window's, the same on every rank.
-        stage: where the measurement stands on this rank (:class:`~lightning_simigrad.measurement.rows.Stage`).
+        stage: where the measurement stands on this rank (:class:`~lightning_simigrad.measurement.rows.Outcome`).
         missing: gradient buckets whose products are missing.
         cause: the error behind a failure stage, chained to the error every rank raises.
     """
 
     products: Tensor | None
     items: tuple[int, int, int] | None
-    stage: Stage = Stage.OK
+    stage: Outcome = Outcome.OK
     missing: int = 0
     cause: BaseException | None = None
 
@@ -97,9 +99,9 @@ class ComposedMeasurement:
     :meth:`collect`. On one process the error is raised where it happens.
     """
 
-    def __init__(self, halves: Halves, exchange: Exchange, rank: int = 0) -> None:
+    def __init__(self, halves: Halves, exchange: Rows, rank: int = 0) -> None:
         self.halves, self.exchange, self.rank = halves, exchange, rank
-        self._failure: tuple[Stage, BaseException] | None = None
+        self._failure: tuple[Outcome, BaseException] | None = None
 
     @property
     def name(self) -> str:
@@ -122,32 +124,36 @@ class ComposedMeasurement:
         self.halves.start_micro_batch(window, index, params)
 
     def after_backward(self, window: Window, index: int, fed: tuple[int, int], params: Sequence[Tensor]) -> None:
-        self._guarded(Stage.COMBINE, self.halves.after_backward, window, index, fed, params)
+        self._guarded(Outcome.COMBINE, self.halves.after_backward, window, index, fed, params)
 
     def half_of(self, window: Window, index: int) -> int:
         return self.halves.half_of(window, index)
 
-    def collect(self, loss_scale: LossScale = None) -> HalfStats | None:
+    def collect(self, loss_scale: LossScale = None, columns: Columns | None = None) -> HalfStats | None:
         failure, self._failure = self._failure, None
         try:
             finished = self.halves.finish()
         except Exception as error:
             if not self.exchange.collective:
                 raise
-            failure = failure or (Stage.COLLECT, error)
+            failure = failure or (Outcome.COLLECT, error)
             finished = Finished(None, None)
-        if finished is None and failure is None:
-            return None  # no rank measures this window
+        if not self.exchange.collective and columns is not None:
+            columns.totals = columns.local  # one process: nothing crosses
+        if finished is None and failure is None and (columns is None or not self.exchange.collective):
+            return None  # no rank measures this window, and the run's columns need no exchange
         if not self.exchange.collective and (finished is None or finished.products is None):
             return None  # one process, nothing to compare
-        local = self._row(finished, failure)
-        rows, scale = self.exchange.rows(local, loss_scale_of(loss_scale))
+        local = self._row(finished, failure, columns.local if columns is not None else ())
+        rows, scale = self.exchange.gather(local, loss_scale_of(loss_scale))
         self.halves.after_read()
         cause = failure[1] if failure is not None else (finished.cause if finished is not None else None)
         try:
             found = verdict(rows, self.name)
         except MeasurementError as error:
             raise error from cause
+        if columns is not None:
+            columns.totals = found.columns
         items = finished.items if finished is not None else None
         if found.skipped:
             self._warn_skipped(found.skipped)
@@ -167,7 +173,7 @@ class ComposedMeasurement:
         self.halves.close()
 
     # ------------------------------------------------------------------------------ internals
-    def _guarded(self, stage: Stage, call: Callable[..., None], *args: Any) -> None:
+    def _guarded(self, stage: Outcome, call: Callable[..., None], *args: Any) -> None:
         if not self.exchange.collective:
             call(*args)
             return
@@ -181,16 +187,19 @@ class ComposedMeasurement:
             with contextlib.suppress(Exception):
                 self.halves.abort()
 
-    def _row(self, finished: Finished | None, failure: tuple[Stage, BaseException] | None) -> Tensor:
+    def _row(
+        self, finished: Finished | None, failure: tuple[Outcome, BaseException] | None, columns: Sequence[float]
+    ) -> Tensor:
         products = finished.products if finished is not None else None
         device = products.device if products is not None else None
         if failure is not None:
-            return failed_row(device, failure[0])
-        assert finished is not None
+            return failed_row(device, failure[0], columns)
+        if finished is None:  # nothing measured on any rank: the row carries the run's columns alone
+            return row(None, Outcome.UNMEASURED, device=device, columns=columns)
         if finished.stage > 0:
-            return failed_row(device, finished.stage)
-        stage = finished.stage if products is not None or finished.stage != Stage.OK else Stage.UNMEASURED
-        return row(products, stage, finished.missing, device=device)
+            return failed_row(device, finished.stage, columns)
+        stage = finished.stage if products is not None or finished.stage != Outcome.OK else Outcome.UNMEASURED
+        return row(products, stage, finished.missing, device=device, columns=columns)
 
     def _warn_skipped(self, ranks: list[int]) -> None:
         if self.rank != 0:  # one warning for the whole group

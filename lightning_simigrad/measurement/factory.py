@@ -21,9 +21,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from lightning_simigrad.exchange import Rows
 from lightning_simigrad.measurement.composed import ComposedMeasurement
 from lightning_simigrad.measurement.protocol import Measurement
-from lightning_simigrad.measurement.rows import Exchange
 from lightning_simigrad.measurement.sharding import ShardedPieces, check_fsdp1_units, check_fsdp2
 from lightning_simigrad.measurement.time_halves import CopyAside, LocalPieces, MoveAside, TimeHalves
 
@@ -56,7 +56,7 @@ def measurement_for(parallelism: Parallelism) -> Measurement:
         if parallelism.world_size % 2 == 0:  # rank groups inside the reduce-scatter need partners
             from lightning_simigrad.measurement.reduce_scatter_groups import ReduceScatterGroups
 
-            return ComposedMeasurement(ReduceScatterGroups(), Exchange(what="FSDP"), rank=_rank())
+            return ComposedMeasurement(ReduceScatterGroups(), Rows(what="FSDP"), rank=_rank())
         return midpoint_reduction()
     if training is Training.DDP:
         from lightning_simigrad.measurement.rank_groups import RankGroupMeasurement
@@ -67,19 +67,19 @@ def measurement_for(parallelism: Parallelism) -> Measurement:
 
 def window_halves() -> ComposedMeasurement:
     """One process: the window's halves in time, the first half moved aside."""
-    return ComposedMeasurement(TimeHalves("one-process", LocalPieces(), MoveAside()), Exchange(collective=False))
+    return ComposedMeasurement(TimeHalves("one-process", LocalPieces(), MoveAside()), Rows(collective=False))
 
 
 def sharded_halves() -> ComposedMeasurement:
     """FSDP2: the window's halves in time on each rank's gradient shards, one all-gather of the rows."""
     halves = TimeHalves("FSDP", ShardedPieces(), MoveAside(), check=check_fsdp2)
-    return ComposedMeasurement(halves, Exchange(what="FSDP"), rank=_rank())
+    return ComposedMeasurement(halves, Rows(what="FSDP"), rank=_rank())
 
 
 def midpoint_reduction() -> ComposedMeasurement:
     """FSDP1 on an odd number of ranks: the halves in time, the gradient reduced at the window's midpoint too."""
     halves = TimeHalves("FSDP", LocalPieces(), CopyAside(), check=check_fsdp1_units, midpoint_reduction=True)
-    return ComposedMeasurement(halves, Exchange(what="FSDP"), rank=_rank())
+    return ComposedMeasurement(halves, Rows(what="FSDP"), rank=_rank())
 
 
 def _rank() -> int:

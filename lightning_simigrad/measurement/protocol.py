@@ -8,7 +8,8 @@ for each window:
 1. :meth:`~Measurement.start_micro_batch` before each micro-batch's forward;
 2. :meth:`~Measurement.after_backward` after each micro-batch's backward (before a GradScaler unscales);
 3. :meth:`~Measurement.collect` once, before the optimizer step: the statistics, with the loss scale the
-   backward ran under taken out of them; the gradients are left exactly as plain training leaves them;
+   backward ran under taken out of them; the gradients are left exactly as plain training leaves them. The numbers
+   the run declares (:class:`Columns`: a step's loss items) cross ranks in the same exchange;
 4. :meth:`~Measurement.abort` instead of ``collect`` when the window is abandoned (an epoch or fit ended
    inside it): nothing of it may leak into the next window;
 
@@ -32,7 +33,7 @@ from lightning_simigrad import _compat
 from lightning_simigrad.core.plan import Window
 from lightning_simigrad.core.statistics import HalfStats
 
-__all__ = ["Attachment", "LossScale", "Measurement", "MeasurementError", "loss_scale_of"]
+__all__ = ["Attachment", "Columns", "LossScale", "Measurement", "MeasurementError", "loss_scale_of"]
 
 LossScale = Tensor | float | None  # the loss scale as it stands, a tensor left on its device where it is one
 
@@ -42,6 +43,16 @@ class MeasurementError(RuntimeError):
 
 
 MeasurementError.__module__ = "lightning_simigrad"  # exported there; tracebacks name it where users import it
+
+
+@dataclass
+class Columns:
+    """Numbers a step's rows carry beside the measurement's, declared by the run: this rank's ``local`` ones, and,
+    once :meth:`Measurement.collect` has read the rows, their ``totals`` over every rank that gathered them (summed in
+    rank order: alike on every rank)."""
+
+    local: tuple[float, ...]
+    totals: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -87,8 +98,9 @@ class Measurement(Protocol):
     def half_of(self, window: Window, index: int) -> int:
         """Which half this rank's micro-batch ``index`` of ``window`` feeds: 0 (A) or 1 (B)."""
 
-    def collect(self, loss_scale: LossScale) -> HalfStats | None:
-        """The window's statistics (None: nothing measured), the gradients left as plain training leaves them."""
+    def collect(self, loss_scale: LossScale, columns: Columns | None = None) -> HalfStats | None:
+        """The window's statistics (None: nothing measured), the gradients left as plain training leaves them; with
+        ``columns``, their totals over the ranks are set in the same exchange (and on one process, as they are)."""
 
     def abort(self) -> None:
         """The window was abandoned: forget it, leaving the gradients as plain training leaves them."""

@@ -118,10 +118,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_simigrad import _compat
 from lightning_simigrad.core.plan import Window
+from lightning_simigrad.exchange import Rows
 from lightning_simigrad.measurement._ddp_hook import BucketHook, Layout, Round
 from lightning_simigrad.measurement.composed import ComposedMeasurement, Finished, MeasurementSkipped
 from lightning_simigrad.measurement.protocol import Attachment, MeasurementError
-from lightning_simigrad.measurement.rows import Exchange, Stage
+from lightning_simigrad.measurement.rows import Outcome
 
 __all__ = ["MeasurementError", "MeasurementSkipped", "RankGroupMeasurement", "RankGroups"]
 
@@ -291,17 +292,17 @@ class RankGroups:
         try:
             return self._local(round, items, device)
         except Exception as error:
-            round.fail_or_skip(Stage.COLLECT, error)
-            stage = Stage.SKIPPED if round.failure is None else Stage.COLLECT
+            round.fail_or_skip(Outcome.COLLECT, error)
+            stage = Outcome.SKIPPED if round.failure is None else Outcome.COLLECT
             return Finished(None, items, stage, cause=error)
 
     def _local(self, round: Round, items: tuple[int, int, int], device: torch.device) -> Finished:
         if not round.started or round.num_buckets == 0:  # no backward, or one that never reached its last bucket
-            return Finished(None, items, Stage.NO_BACKWARD)
+            return Finished(None, items, Outcome.NO_BACKWARD)
         if round.failure is not None:
-            return Finished(None, items, Stage(round.failure[0]), cause=round.failure[1])
+            return Finished(None, items, Outcome(round.failure[0]), cause=round.failure[1])
         if round.skipped is not None:
-            return Finished(None, items, Stage.SKIPPED)
+            return Finished(None, items, Outcome.SKIPPED)
         with round.lock:
             present = [round.partials[i] for i in range(round.num_buckets) if i in round.partials]
         computing = self._layout.slot is not None
@@ -387,7 +388,7 @@ class RankGroupMeasurement(ComposedMeasurement):
 
     def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
         groups = RankGroups(process_group)
-        super().__init__(groups, Exchange(groups.group, what="DDP"), rank=groups.rank)
+        super().__init__(groups, Rows(groups.group, what="DDP"), rank=groups.rank)
         self.groups = groups
 
     @property

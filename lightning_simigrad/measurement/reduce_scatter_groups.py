@@ -50,7 +50,7 @@ from lightning_simigrad.core.plan import Window
 from lightning_simigrad.measurement._dots import gram
 from lightning_simigrad.measurement.composed import Finished
 from lightning_simigrad.measurement.protocol import Attachment
-from lightning_simigrad.measurement.rows import Stage
+from lightning_simigrad.measurement.rows import Outcome
 from lightning_simigrad.measurement.sharding import check_fsdp1_units
 
 __all__ = ["ReduceScatterGroups", "predivide_factor"]
@@ -132,7 +132,7 @@ class ReduceScatterGroups:
         measured, self._products = self._products, None
         if self._failure is not None:
             failure, self._failure = self._failure, None
-            return Finished(None, None, Stage.COMBINE, cause=failure)
+            return Finished(None, None, Outcome.COMBINE, cause=failure)
         return measured if measured is not None else Finished(None, None)
 
     def after_read(self) -> None:

@@ -60,7 +60,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_simigrad.measurement._dots import norm_weights, wide_dtype
+from lightning_simigrad.measurement._dots import HalfTensors, norm_weights, wide_dtype
 from lightning_simigrad.measurement.protocol import Attachment
 
 __all__ = [
@@ -89,18 +89,13 @@ class ShardedPieces:
         to_local = getattr(grad, "to_local", None)
         return to_local() if to_local is not None else grad
 
-    def weights(
-        self,
-        firsts: Sequence[Tensor],
-        seconds: Sequence[Tensor],
-        first_only: Sequence[Tensor],
-        second_only: Sequence[Tensor],
-    ) -> Tensor | None:
+    def weights(self, halves: HalfTensors) -> Tensor | None:
         """One over the number of ranks holding each gradient tensor's piece alike (see the module docstring).
 
         Python attribute reads per tensor and, for a layout not met in the previous step, one small tensor
         made on the device; None (nothing to weigh) when no mesh dimension is replicated.
         """
+        firsts, seconds, first_only, second_only = halves
         pairs = [self._weight(g) for g in firsts]
         for first, second, weight in zip(firsts, seconds, pairs):
             if self._weight(second) != weight:  # two halves of one parameter's gradient: FSDP2 lays them out alike
@@ -124,20 +119,27 @@ class ShardedPieces:
         key = (tuple(placements), id(mesh))
         known = self._copies.get(key)
         if known is None:
-            copies, refusal = _copies(placements, mesh)
-            if refusal is not None:
-                raise RuntimeError(
-                    f"SimiGrad under FSDP cannot sum a gradient laid out as {_layout(grad)} exactly over the ranks:"
-                    f" {refusal} Apply `fully_shard` to the module that holds its parameter: FSDP2 redistributes"
-                    " every gradient to its parameter's placements before reducing it."
-                )
-            known = self._copies[key] = (1.0 / copies, mesh)
+            what = f"a gradient laid out as {_layout(grad)}"
+            fix = (
+                "Apply `fully_shard` to the module that holds its parameter: FSDP2 redistributes every gradient to its"
+                " parameter's placements before reducing it."
+            )
+            known = self._copies[key] = (1.0 / _summable(placements, mesh, what, fix), mesh)
         return known[0]
 
 
 def check_fsdp2(target: Attachment) -> None:
     """FSDP2 as :class:`ShardedPieces` reads it (:func:`check_sharding` on the module's parameters)."""
     check_sharding(list(target.params), target.data_parallel_size)
+
+
+def _summable(placements: Any, mesh: Any, what: str, fix: str) -> int:
+    """The ranks that hold a piece laid out on ``placements`` over ``mesh`` alike; refused (naming ``what`` and the
+    ``fix``) where the pieces cannot be summed exactly over the ranks."""
+    copies, refusal = _copies(placements, mesh)
+    if refusal is not None:
+        raise RuntimeError(f"SimiGrad under FSDP cannot sum {what} exactly over the ranks: {refusal} {fix}")
+    return copies
 
 
 def _copies(placements: Sequence[Any], mesh: Any) -> tuple[int, str | None]:
@@ -208,13 +210,11 @@ def check_sharding(params: Sequence[Tensor], data_parallel_size: int, group: dis
                 " `self.device_mesh['tensor_parallel']` under tensor parallelism, so that every parameter spans"
                 " all the ranks."
             )
-        _, refusal = _copies(placements, mesh)
-        if refusal is not None:
-            raise RuntimeError(
-                f"SimiGrad under FSDP cannot sum the gradient of parameter {index} (shape {tuple(p.shape)},"
-                f" {_layout(p)}) exactly over the ranks: {refusal} Give the parameter `Shard` or `Replicate`"
-                " placements (`fully_shard` and `parallelize_module`'s styles do)."
-            )
+        what = f"the gradient of parameter {index} (shape {tuple(p.shape)}, {_layout(p)})"
+        fix = (
+            "Give the parameter `Shard` or `Replicate` placements (`fully_shard` and `parallelize_module`'s styles do)."
+        )
+        _summable(placements, mesh, what, fix)
 
 
 FSDP1_SHARDINGS = ("FULL_SHARD", "SHARD_GRAD_OP")  # every rank holds a disjoint shard of the reduced gradient

@@ -39,7 +39,7 @@ from torch import Tensor
 
 from lightning_simigrad import _compat
 from lightning_simigrad.core.plan import Window
-from lightning_simigrad.measurement._dots import gram_and_add_all_
+from lightning_simigrad.measurement._dots import HalfTensors, gram_and_add_all_
 from lightning_simigrad.measurement.composed import Finished
 from lightning_simigrad.measurement.protocol import Attachment
 
@@ -52,13 +52,7 @@ class Pieces(Protocol):
     def storage(self, grad: Tensor) -> Tensor:
         """The tensor a gradient's values live in, which the products read and the re-joining adds into."""
 
-    def weights(
-        self,
-        firsts: Sequence[Tensor],
-        seconds: Sequence[Tensor],
-        first_only: Sequence[Tensor],
-        second_only: Sequence[Tensor],
-    ) -> Tensor | None:
+    def weights(self, halves: HalfTensors) -> Tensor | None:
         """How much each tensor's products count (the layout of
         :func:`~lightning_simigrad.measurement._dots.norm_weights`), or None when every tensor counts once."""
 
@@ -71,9 +65,7 @@ class LocalPieces:
         return grad
 
     @staticmethod
-    def weights(
-        firsts: Sequence[Tensor], seconds: Sequence[Tensor], first_only: Sequence[Tensor], second_only: Sequence[Tensor]
-    ) -> Tensor | None:
+    def weights(halves: HalfTensors) -> Tensor | None:
         return None
 
 
@@ -138,7 +130,7 @@ class MoveAside:
         for p in params:  # a gradient only in the second half
             if id(p) not in aside and p.grad is not None:
                 second_only.append(p.grad)
-        weights = pieces.weights(firsts, seconds, first_only, second_only)  # read off the gradients themselves
+        weights = pieces.weights(HalfTensors(firsts, seconds, first_only, second_only))  # read off the gradients
         firsts, seconds, first_only, second_only = (
             [pieces.storage(t) for t in group] for group in (firsts, seconds, first_only, second_only)
         )

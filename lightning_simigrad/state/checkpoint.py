@@ -37,15 +37,17 @@ Format history:
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from lightning_simigrad.core.controller import BatchSizeController
 from lightning_simigrad.core.counts import FitCounts, FitFacts, SchedulerSteps
 from lightning_simigrad.core.fields import DICT, NON_NEGATIVE_INT, Field, check_piece
-from lightning_simigrad.data.schedule import WindowSchedule
+from lightning_simigrad.data.schedule import SchedulePiece, WindowSchedule
+from lightning_simigrad.data.stream import StreamPosition
 from lightning_simigrad.state.rng import check_rng
 
-__all__ = ["FORMAT_VERSION", "compose", "from_format_1", "validate_state"]
+__all__ = ["FORMAT_VERSION", "Saved", "compose", "from_format_1", "validate_state", "with_every_rank"]
 
 FORMAT_VERSION = 2
 
@@ -62,6 +64,69 @@ PIECES: dict[str, dict[str, Field]] = {
 def compose(pieces: Mapping[str, dict[str, Any]]) -> dict[str, Any]:
     """The state a checkpoint holds: the format version and every component's piece, in the table's order."""
     return {"format_version": FORMAT_VERSION, **{key: dict(pieces[key]) for key in PIECES}}
+
+
+def with_every_rank(
+    state: dict[str, Any], generators: list[Any], streams: list[StreamPosition | None] | None
+) -> dict[str, Any]:
+    """``state`` with every rank's pieces: its generator states and, for a stream whose loader keeps its position,
+    where its stream resumes."""
+    state["rng"] = list(generators)
+    if streams is not None:
+        state["stream"] = [p.loader_state if p is not None else None for p in streams]
+        state["stream_skip"] = [p.skip if p is not None else 0 for p in streams]
+    return state
+
+
+@dataclass(frozen=True)
+class Saved:
+    """SimiGrad's state as a checkpoint holds it (validated), read: each piece typed where another component reads it,
+    handed to its owner otherwise.
+
+    Args:
+        facts: what the fit was set up with (B0 carries over).
+        counts: where the fit and its epoch stood.
+        schedule: the batch size asked for, the epoch, the windows planned and not trained.
+        controller: the controller's piece (only the controller reads it).
+        progress: the step-interval schedulers' piece (only they read it).
+        generators: every rank's generator states, where written.
+        streams: every rank's stream position, for a stream whose loader keeps one.
+    """
+
+    facts: FitFacts
+    counts: FitCounts
+    schedule: SchedulePiece
+    controller: dict[str, Any]
+    progress: dict[str, Any]
+    generators: list[Any] | None = None
+    streams: list[StreamPosition | None] | None = None
+
+    @classmethod
+    def of(cls, state: Mapping[str, Any]) -> Saved:
+        """A format-2 state read (``validate_state`` checks it first)."""
+        streams = state.get("stream")
+        skips = state.get("stream_skip") or [0] * len(streams or [])
+        return cls(
+            FitFacts.of(state["run"]),
+            FitCounts.of(state["counts"]),
+            SchedulePiece.of(state["schedule"]),
+            dict(state["controller"]),
+            dict(state["progress"]),
+            state.get("rng"),
+            None if streams is None else [StreamPosition(s, skip) for s, skip in zip(streams, skips, strict=True)],
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state a checkpoint holds, as it was read."""
+        pieces = {
+            "run": self.facts.state_dict(),
+            "counts": self.counts.state_dict(),
+            "schedule": self.schedule.state_dict(),
+            "controller": self.controller,
+            "progress": self.progress,
+        }
+        state = compose(pieces)
+        return state if self.generators is None else with_every_rank(state, self.generators, self.streams)
 
 
 def validate_state(state: Any, where: str) -> dict[str, Any]:

@@ -17,32 +17,26 @@ stage                     what is still to do
 ``RESTORED``              the generators are back; the fit runs on as the uninterrupted one did
 ========================  =========================================================================
 
-:class:`Restart` is what Lightning says about the checkpoint, read by the integration layer, so that
-this module and :class:`~lightning_simigrad.run.Run` never touch Lightning. :func:`position_of` says where the
-resumed epoch stands (and refuses what cannot be resumed exactly); every component then takes its own piece of
-the checkpoint back (:func:`lightning_simigrad.run.restore`).
+:class:`Restart` is the one resume type: the checkpoint's SimiGrad state, read
+(:class:`~lightning_simigrad.state.checkpoint.Saved`), what Lightning says about the checkpoint (read by the
+integration layer, so that this module and :class:`~lightning_simigrad.run.Run` never touch Lightning), and, once
+:meth:`Restart.placed`, where the resumed fit stands in the data's epoch (or a refusal of what cannot be resumed
+exactly). Every component then takes its own piece of the checkpoint back (:func:`lightning_simigrad.run.restore`);
+the generators wait in a :class:`Resumption` for the stage where they go back.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 from lightning_simigrad.core.sample_counts import Data
+from lightning_simigrad.state.checkpoint import Saved
 from lightning_simigrad.state.rng import rng_state, set_rng_state
 
-__all__ = [
-    "Position",
-    "Restart",
-    "Resumption",
-    "Stage",
-    "generators_of",
-    "outside_bounds",
-    "position_of",
-    "without_state",
-]
+__all__ = ["Restart", "Resumption", "Stage", "generators_of", "outside_bounds", "without_state"]
 
 
 class Stage(enum.Enum):
@@ -55,23 +49,95 @@ class Stage(enum.Enum):
 
 @dataclass(frozen=True)
 class Restart:
-    """A checkpoint being resumed, as Lightning describes it.
+    """A checkpoint being resumed: SimiGrad's state in it, what Lightning says of it, and, once placed
+    (:meth:`placed`), where it leaves the data's epoch.
 
     Args:
         path: the checkpoint, for messages.
-        state: SimiGrad's state in it (validated), or None when it has none.
+        state: SimiGrad's state in it (validated; a dict is read into a
+            :class:`~lightning_simigrad.state.checkpoint.Saved`), or None when it has none.
         epoch: the epoch Lightning trains first (what samplers' ``set_epoch`` receive).
         at_epoch_end: it was written after its epoch's last batch (Lightning then trains the next epoch).
-        batches_into_epoch: micro-batches of the epoch it was written in that had run (0 at an epoch's start).
+        batches_into_epoch: micro-batches of the epoch it was written in that had run (0 at an epoch's start, and where
+            Lightning starts a new epoch).
         global_step: optimizer steps it counted.
+        same_epoch: placed: the fit resumes inside the data's epoch the checkpoint was written in.
+        samples_done: placed: that epoch's committed samples (the sampler skips them), 0 unless the fit resumes inside.
+        epoch_offset: placed: the training loop's epoch count less the data's, from now on.
     """
 
     path: str
-    state: dict[str, Any] | None
+    state: Saved | None
     epoch: int
     at_epoch_end: bool
     batches_into_epoch: int
     global_step: int
+    same_epoch: bool = False
+    samples_done: int = 0
+    epoch_offset: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.state, Mapping):
+            object.__setattr__(self, "state", Saved.of(self.state))
+
+    @property
+    def saved(self) -> Saved:
+        """The checkpoint's SimiGrad state (only for a checkpoint that has one)."""
+        assert self.state is not None
+        return self.state
+
+    def placed(self, data: Data, world_size: int, warn: Callable[[str], None]) -> Restart:
+        """Where the checkpoint leaves the data's epoch, or a refusal of a resume that cannot be exact.
+
+        The training loop's epoch and the data's part ways where ``max_steps`` stops a fit inside an epoch: Lightning
+        counts that epoch as done when the fit stops, and a fit resumed with a larger ``max_steps`` finishes its data
+        as the loop's next epoch (with ``max_steps=-1`` it starts the next epoch instead, and so does SimiGrad).
+
+        Raises:
+            ValueError: the checkpoint was written in the middle of an epoch of a training set of another size.
+        """
+        saved = self.saved
+        epoch, done, offset = saved.schedule.epoch, saved.counts.epoch_samples_done, saved.schedule.epoch_offset
+        if self.batches_into_epoch > 0 and self.epoch - offset == epoch + 1:
+            offset += 1  # stopped inside the epoch, which the loop counts as done: it finishes it as its next one
+        # a checkpoint written at the epoch's last batch ends it: Lightning then trains the next epoch
+        same_epoch = epoch == self.epoch - offset and not self.at_epoch_end
+        length = saved.facts.epoch_length
+        if not same_epoch and not self.at_epoch_end and epoch + 1 == self.epoch - offset:
+            _tell_what_a_new_epoch_leaves(self, done, length, warn)
+        if same_epoch and done > 0 and length != data.epoch_length:
+            raise ValueError(
+                f"The checkpoint {self.path} was written {done} samples into epoch {epoch} of a training set of"
+                f" {length} samples; this fit's training set has {data.epoch_length}, so the rest of that epoch cannot"
+                " be identified. Resume with the same training data, or from a checkpoint written at the end of an"
+                " epoch."
+            )
+        if same_epoch and (done > 0 or saved.schedule.planned) and world_size == 1 and not data.regenerable_order:
+            warn(_an_order_drawn_again(self.path, epoch, done, data))  # (under DDP the sampler refuses such an order)
+        return replace(self, same_epoch=same_epoch, samples_done=done if same_epoch else 0, epoch_offset=offset)
+
+
+def _tell_what_a_new_epoch_leaves(restart: Restart, done: int, length: int | None, warn: Callable[[str], None]) -> None:
+    """Lightning starts the epoch after the checkpoint's, which ``max_steps`` had stopped: say what is left."""
+    epoch = restart.saved.schedule.epoch
+    if done > 0 and (length is None or done < length):
+        warn(
+            f"The checkpoint {restart.path} was written {done} samples into epoch {epoch}, where `max_steps` stopped"
+            f" the fit, and Lightning counts that epoch as done: resumed with `max_steps=-1`, it starts the next"
+            f" epoch, and the rest of epoch {epoch} is not trained (as in plain Lightning). Resume with a larger"
+            " `max_steps` to finish it first."
+        )
+
+
+def _an_order_drawn_again(path: str, epoch: int, done: int, data: Data) -> str:
+    return (
+        f"The checkpoint {path} was written in the middle of epoch {epoch}, and the training DataLoader's"
+        f" `{data.sampler}` has an order SimiGrad cannot regenerate (only a RandomSampler without replacement and a"
+        " SequentialSampler have one): the rest of the epoch is taken from a new draw of that order, past its first"
+        f" {done} samples, not from the order the interrupted run was following. Unless the sampler yields the same"
+        f" order every time, the resumed run trains other samples in epoch {epoch} than the uninterrupted run."
+        " Resume from a checkpoint written at an epoch's end for an exact resume."
+    )
 
 
 class Resumption:
@@ -112,75 +178,12 @@ class Resumption:
 _WAITING = (Stage.RNG_AT_FIRST_BATCH, Stage.RNG_BEFORE_EPOCH)
 
 
-@dataclass(frozen=True)
-class Position:
-    """Where a resumed fit picks up: the checkpoint's epoch (of the data) and, if the fit resumes inside it, the
-    samples it had committed there (the sampler skips them); and how far the training loop's epoch count runs ahead
-    of the data's from now on."""
-
-    epoch: int  # the checkpoint's epoch of the data
-    same_epoch: bool  # the fit resumes in the checkpoint's epoch (else it trains the next one)
-    samples_done: int  # the epoch's committed samples, 0 unless the fit resumes inside the epoch
-    epoch_offset: int = 0  # the loop's epoch count less the data's
-
-
-def position_of(
-    state: dict[str, Any], restart: Restart, data: Data, world_size: int, warn: Callable[[str], None]
-) -> Position:
-    """Where the checkpoint left the epoch, or a refusal of a resume that cannot be exact.
-
-    The training loop's epoch and the data's part ways where ``max_steps`` stops a fit inside an epoch: Lightning
-    counts that epoch as done when the fit stops, and a fit resumed with a larger ``max_steps`` finishes its data as
-    the loop's next epoch (with ``max_steps=-1`` it starts the next epoch instead, and so does SimiGrad).
-
-    Raises:
-        ValueError: the checkpoint was written in the middle of an epoch of a training set of another size.
-    """
-    schedule = state["schedule"]
-    epoch, done = schedule["epoch"], state["counts"]["epoch_samples_done"]
-    offset, length = schedule.get("epoch_offset", 0), state["run"]["epoch_length"]
-    continues = restart.batches_into_epoch > 0  # the loop goes on inside the epoch it stopped in
-    stopped_inside = continues and restart.epoch - offset == epoch + 1
-    if stopped_inside:
-        offset += 1
-    # a checkpoint written at the epoch's last batch ends it: Lightning then trains the next epoch
-    same_epoch = epoch == restart.epoch - offset and not restart.at_epoch_end
-    mid_epoch = same_epoch and done > 0
-    unfinished = length is None or done < length
-    if not same_epoch and not restart.at_epoch_end and done > 0 and unfinished and epoch + 1 == restart.epoch - offset:
-        warn(
-            f"The checkpoint {restart.path} was written {done} samples into epoch {epoch}, where `max_steps` stopped"
-            f" the fit, and Lightning counts that epoch as done: resumed with `max_steps=-1`, it starts the next"
-            f" epoch, and the rest of epoch {epoch} is not trained (as in plain Lightning). Resume with a larger"
-            " `max_steps` to finish it first."
-        )
-    if mid_epoch and length != data.epoch_length:
-        raise ValueError(
-            f"The checkpoint {restart.path} was written {done} samples into epoch {epoch} of a training set of"
-            f" {length} samples; this fit's training set has {data.epoch_length}, so the rest of that epoch cannot be"
-            " identified. Resume with the same training data, or from a checkpoint written at the end of an epoch."
-        )
-    planned = schedule["planned"]
-    if same_epoch and (done > 0 or planned) and world_size == 1 and not data.regenerable_order:
-        # (under DDP the sampler refuses such an order)
-        warn(
-            f"The checkpoint {restart.path} was written in the middle of epoch {epoch}, and the training"
-            f" DataLoader's `{data.sampler}` has an order SimiGrad cannot regenerate (only a RandomSampler without"
-            " replacement and a SequentialSampler have one): the rest of the epoch is taken from a new draw of"
-            f" that order, past its first {done} samples, not from the order the interrupted run was following."
-            f" Unless the sampler yields the same order every time, the resumed run trains other samples in epoch"
-            f" {epoch} than the uninterrupted run. Resume from a checkpoint written at an epoch's end for an exact"
-            " resume."
-        )
-    return Position(epoch, same_epoch, done if mid_epoch else 0, offset)
-
-
-def generators_of(state: dict[str, Any], position: Position, world_size: int, rank: int) -> Resumption:
-    """This rank's generator states from the checkpoint, waiting for the stage where they go back."""
-    states = state.get("rng")
+def generators_of(restart: Restart, world_size: int, rank: int) -> Resumption:
+    """This rank's generator states from the (placed) checkpoint, waiting for the stage where they go back."""
+    states = restart.saved.generators
     if states is None or len(states) != world_size:  # on other ranks, their streams start anew
         return Resumption()
-    return Resumption(Stage.RNG_AT_FIRST_BATCH if position.same_epoch else Stage.RNG_BEFORE_EPOCH, states[rank])
+    return Resumption(Stage.RNG_AT_FIRST_BATCH if restart.same_epoch else Stage.RNG_BEFORE_EPOCH, states[rank])
 
 
 def without_state(restart: Restart) -> str:

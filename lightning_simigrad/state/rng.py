@@ -7,7 +7,7 @@ states of torch's CPU generator, the current CUDA device's, Python's ``random`` 
 and puts them back where the uninterrupted run would draw next (see :mod:`lightning_simigrad.state.resume`).
 
 States are kept as bytes and plain Python values: compact, loaded by ``torch.load(weights_only=True)``, and
-gathered across ranks by :func:`~lightning_simigrad.state.gather.every_rank`.
+gathered across ranks by :func:`~lightning_simigrad.exchange.gather_objects`.
 """
 
 from __future__ import annotations

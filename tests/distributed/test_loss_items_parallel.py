@@ -71,3 +71,61 @@ def test_every_step_is_the_mean_over_every_ranks_tokens(setting: str, world: int
     assert max(max(r["errors"]) for r in ranks) < exact
     pairs = list(zip(first["similarity"], first["reference"], strict=True))
     assert max(abs(ours - reference) for ours, reference in pairs) < 10 * exact
+
+
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object",
+               "broadcast", "broadcast_object_list", "reduce_scatter_tensor", "all_to_all_single")  # fmt: skip
+
+
+class CountCollectives(pl.Callback):
+    """Every collective the training steps issue through ``torch.distributed``, by name (DDP's own reduction goes
+    through SimiGrad's communication hook, so it is counted too, alike in every fit)."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, int] = {}
+        self.originals: dict[str, object] = {}
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        import torch.distributed as dist
+
+        for name in COLLECTIVES:
+            original = getattr(dist, name, None)
+            if original is None:
+                continue
+            self.originals[name] = original
+
+            def counted(*args, __name=name, __original=original, **kwargs):
+                self.calls[__name] = self.calls.get(__name, 0) + 1
+                return __original(*args, **kwargs)
+
+            setattr(dist, name, counted)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        import torch.distributed as dist
+
+        for name, original in self.originals.items():
+            setattr(dist, name, original)
+
+
+def _count(rank: int, world: int, items: bool) -> tuple[dict[str, int], int]:
+    as_external_process(rank, world)
+    pl.seed_everything(0)
+    counter = CountCollectives()
+    cb = SimiGrad(0.5, loss_items=labelled_tokens if items else None, max_micro_batch_size=3,
+                  initial_batch_size=12, adjust=False)  # fmt: skip
+    ddp = DDPStrategy(process_group_backend="gloo")
+    t = trainer(devices=world, strategy=ddp, max_epochs=1, callbacks=[cb, counter])
+    t.fit(TokenModel(), DataLoader(Sequences(), batch_size=3, shuffle=True, collate_fn=pad_collate))
+    return counter.calls, len(cb.history)
+
+
+@pytest.mark.timeout(300)
+def test_loss_items_add_no_collective_to_a_step() -> None:
+    """Under DDP a step weighed by loss items costs what any step costs: the gradient's reduction and one all-gather
+    of the rows, which carry the items (before, an all-reduce of the items came beside them)."""
+    (plain, steps), _ = run_ok(_count, 2, False, deadline_s=240)
+    (weighed, weighed_steps), _ = run_ok(_count, 2, True, deadline_s=240)
+    assert steps == weighed_steps > 5
+    assert weighed == plain
+    gathers = sum(n for name, n in weighed.items() if name.startswith("all_gather"))
+    assert gathers == steps  # one exchange a step

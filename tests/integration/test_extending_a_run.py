@@ -41,6 +41,18 @@ def chunks(tmp_path_factory) -> str:
     return path
 
 
+class SaveAtTheFirstBatch(pl.Callback):
+    """Writes a checkpoint at the fit's first micro-batch, before any optimizer step of it."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.saved = path, False
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if not self.saved:
+            self.saved = True
+            trainer.save_checkpoint(self.path)
+
+
 @dataclass
 class Fit:
     samples: list[list[int]]  # every step's samples
@@ -51,7 +63,8 @@ class Fit:
 def _fit(loader: str, chunks: str, max_steps: int, max_epochs: int = 10, save: str = "", folder: str = "",
          resume: bool = False, rank: int = 0, world: int = 1) -> Fit:  # fmt: skip
     """One fit; ``save`` is how it writes ``folder/last.ckpt`` ("last": ``ModelCheckpoint(save_last=True)``, "after":
-    ``trainer.save_checkpoint`` after ``fit``, "step:K": after optimizer step K), ``resume`` resumes from it."""
+    ``trainer.save_checkpoint`` after ``fit``, "step:K": after optimizer step K, "start": at its first micro-batch),
+    ``resume`` resumes from it."""
     if world > 1:
         as_external_process(rank, world)
     pl.seed_everything(0)
@@ -65,6 +78,8 @@ def _fit(loader: str, chunks: str, max_steps: int, max_epochs: int = 10, save: s
         callbacks.append(ModelCheckpoint(dirpath=folder, save_last=True, save_top_k=0))
     elif kind == "step":
         callbacks.append(SaveAtStep(path, step=int(at)))
+    elif kind == "start":
+        callbacks.append(SaveAtTheFirstBatch(path))
     strategy = DDPStrategy(process_group_backend="gloo") if world > 1 else "auto"
     t = trainer(devices=world, strategy=strategy, max_epochs=max_epochs, max_steps=max_steps, callbacks=callbacks,
                 enable_checkpointing=kind == "last")  # fmt: skip
@@ -173,3 +188,21 @@ def test_a_resume_with_max_steps_minus_one_starts_the_next_epoch_as_lightning_do
     samples = [i for step in resumed.samples for i in step]
     assert sum(map(len, first.samples)) == stop * B0
     assert sorted(samples) == list(range(N))  # epoch 1, whole; epoch 0's rest untrained, as in plain Lightning
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("loader", ["litdata", "stateful"])
+def test_a_checkpoint_written_before_a_resumed_fits_first_step_keeps_its_position(tmp_path, chunks, uninterrupted,
+                                                                                  loader: str):  # fmt: skip
+    """A fit resumed from a cut window writes a checkpoint before its first step: its position is the one it was
+    resumed at, the samples of the cut window trained included, and a resume from it trains each sample once."""
+    whole, first_folder, second_folder = uninterrupted[loader], str(tmp_path / "a"), str(tmp_path / "b")
+    trained = [sum(map(len, whole.samples[: k + 1])) for k in range(len(whole.samples))]
+    stop = next(t // B0 + 1 for t in trained if t % B0 == 0 and (t + B0) not in trained and t >= 3 * B0)
+    first = _fit(loader, chunks, stop, save="last", folder=first_folder)
+    os.makedirs(second_folder)
+    os.replace(os.path.join(first_folder, "last.ckpt"), os.path.join(second_folder, "last.ckpt"))
+    _fit(loader, chunks, stop + 3, save="start", folder=second_folder, resume=True)  # writes over it, then trains on
+    third = _fit(loader, chunks, MAX_STEPS, folder=second_folder, resume=True)
+    samples = [i for step in first.samples + third.samples for i in step]
+    assert sorted(samples[:N]) == list(range(N)) and sorted(samples[N : 2 * N]) == list(range(N))

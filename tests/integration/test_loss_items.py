@@ -17,8 +17,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_simigrad import BatchSizeSchedule, SimiGrad, linear_ramp
-from lightning_simigrad.loss_items import count_items
 from lightning_simigrad.testing import StepAudit
+from lightning_simigrad.weighing import count_items
 from tests.support.helpers import trainer
 from tests.support.token_modules import Sequences, TokenMeanLoss, TokenModel, indices_of, labelled_tokens, pad_collate
 

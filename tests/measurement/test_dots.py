@@ -179,7 +179,7 @@ def test_on_cpu_large_pairs_stream_through_the_cache_with_the_same_sums_and_prod
         [t.double() * (2.0**0.5 if weighted else 1.0) for t in b_only],
     )
     fused_b = [y.clone() for y in b]
-    fused = _dots._fused_gram_and_add_all_(a, fused_b, a_only, b_only, weights)
+    fused = _dots._fused_gram_and_add_all_(_dots.HalfTensors(a, fused_b, a_only, b_only), weights)
     with _OpCount() as ops:
         got = _dots.gram_and_add_all_(a, b, a_only, b_only, weights)
     assert all(torch.equal(y, z) for y, z in zip(b, fused_b))  # the gradient the optimizer sees: bitwise the same

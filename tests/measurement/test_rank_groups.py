@@ -253,7 +253,7 @@ def test_low_similarity(world_size: int, run_ok) -> None:
 
 
 def test_the_loss_scale_is_read_with_the_rows_in_one_transfer() -> None:
-    from lightning_simigrad.measurement.rows import _fetch
+    from lightning_simigrad.exchange import read_rows as _fetch
 
     scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
     assert loss_scale_of(scaler) == 8.0  # before its first step the scaler has no tensor yet

@@ -7,7 +7,7 @@ import random
 import numpy
 import torch
 
-from lightning_simigrad.state.gather import every_rank
+from lightning_simigrad.exchange import gather_objects
 from lightning_simigrad.state.rng import RngSnapshot, rng_state, set_rng_state
 
 
@@ -28,7 +28,7 @@ def test_restored_states_draw_what_the_saved_ones_drew():
 
 def test_one_process_gathers_its_own_state_only():
     state = rng_state()
-    assert every_rank(state) == [state]
+    assert gather_objects(state) == [state]
     assert set(state) >= {"torch", "python", "numpy"} and isinstance(state["torch"], bytes)
 
 
