@@ -322,7 +322,11 @@ class Run:
         return lr_factor(weight, self.b0, self.settings.lr_scaling, self.settings.lr_scaling_blend)
 
     def within_bounds(self, size: int) -> int:
-        """A batch size within this fit's bounds (a checkpoint's may lie outside them)."""
+        """A batch size within this fit's bounds (a checkpoint's may lie outside them); a replay's as recorded."""
+        if self.settings.schedule is not None and self.settings.schedule.recorded:
+            # the recorded run's windows, epoch tails included, are planned again only when asked for as they were:
+            # a tail's share raised to the bounds would plan other windows (BatchSchedule.recorded)
+            return size
         size = max(size, self.controller.min_batch_size)
         high = self.controller.max_batch_size
         return size if high is None else min(size, high)
