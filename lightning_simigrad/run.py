@@ -323,13 +323,10 @@ class Run:
 
     def within_bounds(self, size: int) -> int:
         """A batch size within this fit's bounds (a checkpoint's may lie outside them); a replay's as recorded."""
-        if self.settings.schedule is not None and self.settings.schedule.recorded:
-            # the recorded run's windows, epoch tails included, are planned again only when asked for as they were:
-            # a tail's share raised to the bounds would plan other windows (BatchSchedule.recorded)
+        if self.settings.schedule is not None and self.settings.schedule.recorded:  # BatchSchedule.recorded: why
             return size
-        size = max(size, self.controller.min_batch_size)
-        high = self.controller.max_batch_size
-        return size if high is None else min(size, high)
+        low, high = self.controller.min_batch_size, self.controller.max_batch_size
+        return max(size, low) if high is None else min(max(size, low), high)
 
     def samples_left(self) -> float:
         """What the fit may still train: its budget less the weight trained."""
