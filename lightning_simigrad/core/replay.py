@@ -195,8 +195,8 @@ def read_trace(path: str | Path) -> tuple[list[dict[str, float]], list[str]]:
         path = path / TRACE_NAME
     if not path.is_file():
         raise FileNotFoundError(
-            f"`path` = '{path}' is not a file: pass the {TRACE_NAME} a recipe wrote in its run directory, a CSV"
-            " exported from W&B, or a schedule YAML written by `simigrad-trace --schedule`."
+            f"`path` = '{path}' is not a file: pass the {TRACE_NAME} a recipe wrote in its run directory, or a CSV"
+            " exported from W&B."
         )
     try:
         with path.open(newline="") as file:
