@@ -321,7 +321,7 @@ def snapshot(commit: str, dest: Path) -> None:
     if src.exists():
         raise SystemExit(f"{src} exists: remove it, or use it as it is")
     src.mkdir(parents=True)
-    archive = subprocess.run(["git", "archive", full], cwd=HERE, capture_output=True, check=True).stdout
+    archive = subprocess.run(["git", "archive", full], cwd=HERE.parent, capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
     path.mkdir()
     shutil.copytree(src / "lightning_simigrad", path / "lightning_simigrad")
