@@ -119,6 +119,36 @@ def test_an_epoch_tail_below_the_smallest_batch_is_replayed_as_it_was() -> None:
     assert list(zip(column(replay.history, "batch_size"), column(replay.history, "batch_samples"))) == windows
 
 
+class SaveAfterStep(pl.Callback):
+    def __init__(self, path: Path, step: int) -> None:
+        self.path, self.step, self.saved = path, step, False
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step and not self.saved:
+            self.saved = True
+            trainer.save_checkpoint(self.path)
+
+
+@pytest.mark.timeout(300)
+def test_a_replay_resumed_before_the_short_tail_continues_step_for_step(tmp_path: Path) -> None:
+    tokens = {"lengths": ShortTail.LENGTHS, "max_micro_batch_tokens": 80, "loss_items": labelled_tokens}
+    recorded, _ = fit_tokens(BatchSizeSchedule({0: 40}, **tokens), ShortTail(), epochs=2, shuffle=False)
+
+    def replay(callbacks=(), ckpt_path=None):
+        pl.seed_everything(0)
+        callback, model = BatchSizeSchedule.from_history(recorded.history, **tokens), TokenModel()
+        loader = DataLoader(ShortTail(), batch_size=4, shuffle=False, collate_fn=pad_collate)
+        trainer(callbacks=[callback, *callbacks], max_epochs=2).fit(model, loader, ckpt_path=ckpt_path)
+        return callback, model
+
+    whole, whole_model = replay([SaveAfterStep(tmp_path / "mid.ckpt", step=5)])
+    state = torch.load(tmp_path / "mid.ckpt", weights_only=False)["callbacks"]["BatchSizeSchedule"]["schedule"]
+    assert state["planned"] == [12]  # the tail's first share, below the smallest batch, planned before the save
+    resumed, resumed_model = replay(ckpt_path=tmp_path / "mid.ckpt")
+    assert column(resumed.history, "batch_size") == column(whole.history, "batch_size")[5:]
+    assert same_weights(whole_model, resumed_model)
+
+
 def write_trace(history: list[dict], path: Path, wandb: bool = False) -> Path:
     """The recipes' CSV (the history's keys), or a W&B export: `simigrad/` columns among others, a validation row
     whose `simigrad/*` cells are empty, an image column that is not a number."""
