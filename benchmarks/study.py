@@ -623,7 +623,7 @@ def candidate_scores(
     for r in rows:
         by_task[r["task"]].append(r)
     scores: dict[str, dict[str, Any]] = {}
-    for name in names or CANDIDATES:
+    for name in names or dict.fromkeys(r["arm"] for r in rows if r["kind"] == "candidate"):
         scores[name] = {"ratios": {}, "eligible": {}, "final": {}}
     for task_name, task_rows in by_task.items():
         sel = Selection(task_rows, curves, TASKS[task_name])
