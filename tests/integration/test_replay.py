@@ -3,8 +3,8 @@
 A run is recorded with SimiGrad (the batch moving, over several epochs, so that epochs' last two windows share what is
 left, some below `min_batch_size`) and replayed from its history, on the same data and seed: the replay trains the
 recorded batch sizes step for step, in samples and in tokens, and ends on the same weights. The same schedule is
-read from the recipes' CSV and from a W&B export; smoothed and snapped to doublings, it still trains; every mistake
-is refused with the fix.
+read from the recipes' CSV and from a W&B export; a replay checkpointed before a short tail resumes step for step;
+smoothed and snapped to doublings, it still trains; every mistake is refused with the fix.
 """
 
 from __future__ import annotations
