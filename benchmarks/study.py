@@ -461,7 +461,7 @@ class Study:
         sel = Selection(self.rows(name, "select"), self.curves(), TASKS[name])
         mult = self.b0_mult(name)
         default = Arm("default", "default", task.smallest_batch, mult)
-        runs = self.plan(name, [default], [SELECTION_SEEDS[0] if not self.quick else seeds[0]], "judge-trace")
+        runs = self.plan(name, [default], [SELECTION_SEEDS[0]], "judge-trace")
         self.train(runs, f"{name}: the default on the first selection seed, whose trajectory the replay follows")
         trace = Path(self.row(runs[0].run_id)["run_dir"]) / "simigrad_trace.csv"
         arms = [
@@ -754,7 +754,29 @@ def judging_table(rows: list[dict[str, Any]], curves: dict[str, list[dict[str, f
                 f"| {a} vs {b} | {p['seeds']} ({p['both_reach']}) | {ratio('log_steps')} | {ratio('log_cpu')}"
                 f" | {fm:+.4f} [{flo:+.4f}, {fhi:+.4f}] |"
             )
+    if "default" in gs:
+        lines += ["", "Verdict (the protocol's rule): the default against each arm.", ""]
+        lines += [verdict(gs["default"], gs[n], reach) for n in names if n != "default"]
     return "\n".join(lines)
+
+
+def verdict(a: Group, b: Group, reach: dict[str, dict[int, dict[str, float] | None]]) -> str:
+    """(a) reaches the target on as many seeds, (b) steps to it within 5% (geometric mean of per-seed ratios),
+    (c) final metric equal or better (mean difference <= 0, or its 95% interval contains 0)."""
+    p = paired(a, b, reach)
+    hits_a = sum(1 for h in reach[a.arm].values() if h)
+    hits_b = sum(1 for h in reach[b.arm].values() if h)
+    ok_a = hits_a >= hits_b
+    ratio = math.exp(p["log_steps"][0]) if "log_steps" in p else math.nan
+    ok_b = ratio <= 1.05
+    mean, low, high = p["final"]
+    ok_c = mean <= 0 or (math.isfinite(low) and low <= 0 <= high)
+    met = ok_a and ok_b and ok_c
+    return (
+        f"- {a.arm} vs {b.arm}: {'**met**' if met else '**not met**'}: reaches the target on {hits_a} seeds against"
+        f" {hits_b} ({'ok' if ok_a else 'fewer'}); steps to it {ratio:.3f}x ({'ok' if ok_b else 'over 1.05'});"
+        f" final metric {mean:+.4f} [{low:+.4f}, {high:+.4f}] ({'ok' if ok_c else 'worse'})"
+    )
 
 
 def report(study: Study, names: list[str]) -> str:

@@ -179,3 +179,20 @@ def test_quick_study_runs_every_stage_and_resumes(tmp_path: Path) -> None:
     assert f"## {name}: judging seeds" in (out / "study.md").read_text()
     again = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and "\n0 runs trained in" in again.stdout, again.stdout[-2000:]
+
+
+def test_the_verdict_needs_as_many_seeds_steps_within_five_percent_and_no_worse_quality() -> None:
+    def group(name: str, finals: list[float]) -> study.Group:
+        return study.Group(name, [{"seed": s, "metric_value": f} for s, f in enumerate(finals)])
+
+    default, ramp = group("default", [0.50, 0.52, 0.49]), group("ramp", [0.51, 0.50, 0.50])
+    reach = {"default": {s: {"steps": 104.0, "train_cpu_s": 1.0} for s in range(3)},
+             "ramp": {s: {"steps": 100.0, "train_cpu_s": 1.0} for s in range(3)}}  # fmt: skip
+    assert "**met**" in study.verdict(default, ramp, reach)  # 4% more steps, final within the noise
+    reach["default"] = {s: {"steps": 110.0, "train_cpu_s": 1.0} for s in range(3)}
+    assert "over 1.05" in study.verdict(default, ramp, reach)
+    reach["default"][2] = None
+    assert "**not met**" in study.verdict(default, ramp, reach) and "fewer" in study.verdict(default, ramp, reach)
+    reach["default"] = {s: {"steps": 90.0, "train_cpu_s": 1.0} for s in range(3)}
+    worse = group("default", [0.60, 0.61, 0.62])
+    assert "(worse)" in study.verdict(worse, ramp, reach)
