@@ -460,13 +460,27 @@ class Study:
         task = self.task(name)
         sel = Selection(self.rows(name, "select"), self.curves(), TASKS[name])
         mult = self.b0_mult(name)
-        default = Arm("default", "default", task.smallest_batch, mult)
+        # SimiGrad: the library's default as the recipe ships it, or (no candidate eligible everywhere) the fallback
+        # candidate's settings on top of the recipe
+        rows = self.rows(None, "select")
+        winner, _ = choose(rows, self.curves())
+        chosen = None if winner is not None else fallback(rows, self.curves())
+        overrides = () if chosen is None else ("simigrad=paper", *CANDIDATES[chosen].split())
+        why = "the library default" if winner else "the candidate eligible on the most tasks: none is on every task"
+        print(f"== {name}: SimiGrad's configuration: {winner or chosen} ({why})")
+        default = Arm("simigrad", "default", task.smallest_batch, mult, overrides)
         runs = self.plan(name, [default], [SELECTION_SEEDS[0]], "judge-trace")
         self.train(runs, f"{name}: the default on the first selection seed, whose trajectory the replay follows")
         trace = Path(self.row(runs[0].run_id)["run_dir"]) / "simigrad_trace.csv"
         arms = [
             default,
-            Arm("replay", "replay", task.smallest_batch, mult, ("simigrad=replay", f"simigrad.trace={trace}")),
+            Arm(
+                "replay",
+                "replay",
+                task.smallest_batch,
+                mult,
+                ("simigrad=replay", f"simigrad.trace={trace}", *(o for o in overrides if "lr_scaling" in o)),
+            ),
         ]
         arms += [sel.arm(sel.best_ramp), *{sel.arm(g): None for g in (sel.best_static, sel.fastest_static)}]
         self.train(self.plan(name, arms, seeds, "judge"), f"{name}: judging arms {', '.join(a.name for a in arms)}")
@@ -635,6 +649,11 @@ def candidate_scores(
             if g is None:
                 continue
             scores[name]["ratios"][task_name] = sel.steps(g) / ramp_steps
+            hits = [h for h in sel.reach[g.arm] if h]
+            scores[name].setdefault("reached", {})[task_name] = (len(hits), len(g.rows))
+            # over the seeds that reach the target (the ratio above is infinite unless all do)
+            partial = statistics.fmean(h["steps"] for h in hits) / ramp_steps if hits else math.inf
+            scores[name].setdefault("partial", {})[task_name] = partial
             scores[name]["eligible"][task_name] = sel.eligible(g)
             scores[name]["final"][task_name] = g.mean("metric_value") - sel.best_static.mean("metric_value")
     for s in scores.values():
@@ -662,7 +681,11 @@ def choose(rows: list[dict[str, Any]], curves: dict[str, list[dict[str, float]]]
         for t in tasks:
             if t in s["ratios"]:
                 mark = "" if s["eligible"][t] else " (not eligible)"
-                cells.append(f"{s['ratios'][t]:.3f} ({s['final'][t]:+.4f}){mark}")
+                reached, runs = s["reached"][t]
+                ratio = (
+                    f"{s['ratios'][t]:.3f}" if reached == runs else f"{s['partial'][t]:.3f} on {reached}/{runs} seeds"
+                )
+                cells.append(f"{ratio} ({s['final'][t]:+.4f}){mark}")
             else:
                 cells.append("not run")
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {'yes' if s['all_eligible'] else 'no'}"
@@ -670,6 +693,23 @@ def choose(rows: list[dict[str, Any]], curves: dict[str, list[dict[str, float]]]
     eligible = [n for n, s in scores.items() if s["all_eligible"] and len(s["ratios"]) == len(tasks)]
     winner = min(eligible, key=lambda n: scores[n]["score"], default=None)
     return winner, "\n".join(lines)
+
+
+def fallback(rows: list[dict[str, Any]], curves: dict[str, list[dict[str, float]]]) -> str | None:
+    """Where no candidate is eligible on every task: the one eligible on the most tasks, the lowest score among
+    them, the score taken over the tasks where its ratio is finite (every score is infinite otherwise: a task no
+    candidate reaches the target on every seed of)."""
+    scores = candidate_scores(rows, curves)
+
+    def finite_score(n: str) -> float:
+        ratios = [r for r in scores[n]["ratios"].values() if math.isfinite(r)]
+        return statistics.fmean(ratios) if ratios else math.inf
+
+    def tasks(n: str) -> int:
+        return sum(scores[n]["eligible"].values())
+
+    ranked = sorted((n for n in scores if tasks(n) > 0), key=lambda n: (-tasks(n), finite_score(n)))
+    return ranked[0] if ranked else None
 
 
 # ------------------------------------------------------------------------------------------- the report
@@ -754,9 +794,10 @@ def judging_table(rows: list[dict[str, Any]], curves: dict[str, list[dict[str, f
                 f"| {a} vs {b} | {p['seeds']} ({p['both_reach']}) | {ratio('log_steps')} | {ratio('log_cpu')}"
                 f" | {fm:+.4f} [{flo:+.4f}, {fhi:+.4f}] |"
             )
-    if "default" in gs:
-        lines += ["", "Verdict (the protocol's rule): the default against each arm.", ""]
-        lines += [verdict(gs["default"], gs[n], reach) for n in names if n != "default"]
+    simigrad = next((n for n, g in gs.items() if g.first["kind"] == "default"), None)
+    if simigrad is not None:
+        lines += ["", "Verdict (the protocol's rule): SimiGrad against each arm.", ""]
+        lines += [verdict(gs[simigrad], gs[n], reach) for n in names if n != simigrad]
     return "\n".join(lines)
 
 
