@@ -263,8 +263,10 @@ def compose_run(task: Task, run: Run, out: Path, extra: list[str], schedule: str
         f"trainer.max_epochs={math.ceil(run.budget / task.epoch_samples) if task.epoch_samples else -1}",
         f"output_dir={out / 'runs' / run.task / run.run_id}",
         *task.overrides,
-        *run.overrides,
+        # `--override` before the run's own settings: a run's rate, batch and controller win over a study-wide
+        # setting of the same key (which, for `optimizer.lr`, set the grid's centre lr0: `with_recipe_defaults`)
         *extra,
+        *run.overrides,
     ]
     if schedule == "linear":  # over the budget's B0-steps, advanced by samples (trainer.estimated_stepping_batches)
         overrides += ["scheduler=warmup_linear", "scheduler.warmup_fraction=0", "model.scheduler_interval=step"]
@@ -585,7 +587,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="run only these SimiGrad configurations, in this order: a --variant's NAME, or"
                    " paper-tau0.3, noise_scale-tau0.3 (the method at its target)")  # fmt: skip
     p.add_argument("--override", action="append", default=[], metavar="[TASK:]KEY=VALUE",
-                   help="a Hydra override for every run (of TASK only, with the prefix)")  # fmt: skip
+                   help="a Hydra override for every run (of TASK only, with the prefix); a run's own settings"
+                   " win over it: optimizer.lr=X moves the grid's centre lr0 to X, not each run's rate")  # fmt: skip
     p.add_argument("--schedule", choices=("none", "linear"), default="none", help="LR schedule over the budget")
     p.add_argument("--out", default="outputs/efficiency", help="results folder (resumed if it holds results.csv)")
     return p.parse_args(argv)

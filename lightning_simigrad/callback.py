@@ -57,9 +57,11 @@ class SimiGrad(Readings):
             and the batch still counts samples (see :mod:`lightning_simigrad.weighing`). Under ``ddp_spawn`` it
             must be picklable (a module-level function).
         adjust: ``False`` measures and logs but never changes the batch (the paper's ``enable_adjust``).
-        controller: ``"paper"`` (x ``grow_factor`` below target, x ``shrink_factor`` above) or
-            ``"noise_scale"`` (jump to :math:`B^*` from the smoothed measured noise scale).
-        grow_factor, shrink_factor: the paper rule's factors.
+        controller: ``"paper"`` (x ``grow_factor`` below target, x ``shrink_factor`` above),
+            ``"noise_scale"`` (jump to :math:`B^*` from the smoothed measured noise scale) or ``"ratchet"`` (grow
+            towards :math:`B^*` by at most ``grow_factor`` a step, never shrink). With ``lengths`` :math:`B^*` is
+            carried into tokens by the step's tokens per sample.
+        grow_factor, shrink_factor: the paper rule's factors; ``grow_factor`` is the ratchet's largest step.
         smoothing: EMA decay of the similarity the paper rule compares (0: none).
         noise_scale_decay: EMA decay of the noise-scale numerator and denominator.
         deadband: no change while the similarity is within this distance of the target.

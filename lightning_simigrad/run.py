@@ -304,10 +304,11 @@ class Run:
         return lr_factor(weight, self.b0, self.settings.lr_scaling, self.settings.lr_scaling_blend)
 
     def within_bounds(self, size: int) -> int:
-        """A batch size within this fit's bounds (a checkpoint's may lie outside them)."""
-        size = max(size, self.controller.min_batch_size)
-        high = self.controller.max_batch_size
-        return size if high is None else min(size, high)
+        """A batch size within this fit's bounds (a checkpoint's may lie outside them); a replay's as recorded."""
+        if self.settings.schedule is not None and self.settings.schedule.recorded:  # BatchSchedule.recorded: why
+            return size
+        low, high = self.controller.min_batch_size, self.controller.max_batch_size
+        return max(size, low) if high is None else min(max(size, low), high)
 
     def weight_left(self) -> float:
         """What the fit may still train: its budget less the weight trained."""

@@ -2,9 +2,9 @@ r"""Fixed batch-size schedules: the global batch size as a function of what a fi
 
 What large-scale training picks instead of an adaptive batch is a schedule known ahead: GPT-3's linear ramp,
 OLMo's doublings at fixed token counts, Megatron's step schedule. A :class:`BatchSchedule` is one, in the unit
-batch sizes count (samples today): ``schedule(trained)`` is the global batch size of the step that starts after
-``trained`` samples. :class:`~lightning_simigrad.BatchSizeSchedule` trains with it; because it is known ahead, the
-windows a DataLoader plans ahead of training follow it exactly.
+batch sizes count (samples, or tokens with ``lengths``): ``schedule(trained)`` is the global batch size of the step
+that starts after ``trained`` samples (tokens). :class:`~lightning_simigrad.BatchSizeSchedule` trains with it;
+because it is known ahead, the windows a DataLoader plans ahead of training follow it exactly.
 
 >>> ramp = linear_ramp(start=32, end=256, over=10_000)
 >>> ramp(0), ramp(5_000), ramp(10_000), ramp(99_999)
@@ -35,10 +35,19 @@ class BatchSchedule:
     Args:
         size_at: ``size_at(trained)``: the global batch size of the step after ``trained`` samples.
         describe: how the schedule reads in messages.
+        steps: the dict ``{samples trained: batch size}`` it was made of, if any.
+
+    Attributes:
+        recorded: its sizes are the windows a finished run trained
+            (:func:`~lightning_simigrad.core.replay.recorded_schedule`), asked for as they are, never brought within
+            the fit's bounds: an epoch's last two windows share what the epoch has left, and a share below the
+            smallest batch (``min_batch_size``; in tokens, the two sequences at the mean length a measurement needs)
+            raised to it would plan other windows than the run planned.
     """
 
-    def __init__(self, size_at: Callable[[int], Any], describe: str) -> None:
-        self._size_at, self.describe = size_at, describe
+    def __init__(self, size_at: Callable[[int], Any], describe: str, steps: dict[int, int] | None = None) -> None:
+        self._size_at, self.describe, self.steps = size_at, describe, steps
+        self.recorded = False
 
     @classmethod
     def of(cls, schedule: Any) -> BatchSchedule:
@@ -77,7 +86,7 @@ class BatchSchedule:
         def size_at(trained: int) -> int:
             return sizes[bisect.bisect_right(points, trained) - 1]
 
-        return cls(size_at, repr(shown))
+        return cls(size_at, repr(shown), dict(zip(points, sizes)))
 
     def __call__(self, trained: int) -> int:
         """The global batch size of the step after ``trained`` samples; a size that is not a positive int is refused,

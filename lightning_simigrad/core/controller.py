@@ -1,13 +1,18 @@
 """The batch-size controller: from one step's half-batch statistics to the next step's batch size.
 
 Pure Python, no Lightning: :class:`BatchSizeController` takes a :class:`~lightning_simigrad.HalfStats`
-per optimizer step and returns the batch size to use next. Two rules:
+per optimizer step and returns the batch size to use next. Three rules:
 
 - ``"paper"`` (SimiGrad's): similarity below the target grows the batch by ``grow_factor`` (1.1),
   above it shrinks the batch by ``shrink_factor`` (0.9);
 - ``"noise_scale"``: move straight to :math:`B^* = 2 B_{noise} \\tau / (1 - \\tau)`, with the noise
   scale :math:`B_{noise} = \\operatorname{tr}\\Sigma / |G|^2` smoothed as McCandlish et al. advise
-  (an EMA of numerator and denominator separately, divided afterwards).
+  (an EMA of numerator and denominator separately, divided afterwards);
+- ``"ratchet"``: a ramp the data chooses. The batch grows towards :math:`B^*`, by at most ``grow_factor`` a
+  step, and never shrinks. Tuned ramps beat both rules above on steadiness (docs/evidence.md): a batch that
+  moves 10% every step on a noisy similarity, or jumps with a noisy :math:`B^*`, costs loss that a steady
+  batch of the same mean does not; and the critical batch grows as the loss falls, so a batch that only grows
+  loses little by not shrinking.
 
 The noise scale's numerator and denominator are each step's unbiased finite-population estimates
 (:meth:`HalfStats.estimates <lightning_simigrad.core.statistics.HalfStats.estimates>` with the epoch's
@@ -40,7 +45,11 @@ above zero (:attr:`BatchSizeController.noise_scale_resolved`); before that its r
 :math:`N` and beyond, where :math:`B^*` diverges, and a jump there (with the LR scaled to match) threw digits runs
 off course (docs/measurement.md). Meanwhile it steps as the paper rule does.
 
-Both clamp to ``[min_batch_size, max_batch_size]``, hold still during ``warmup_steps`` and inside a
+The halves' statistics count samples (sequences, with ``loss_items`` too), so :math:`B_{noise}` and :math:`B^*`
+do. Where the batch counts tokens (``counts_tokens``), :math:`B^*` is carried into tokens by the step's own tokens
+per sample: the batch the controller asked for over the samples the halves hold.
+
+All clamp to ``[min_batch_size, max_batch_size]``, hold still during ``warmup_steps`` and inside a
 ``deadband`` around the target, and ignore non-finite measurements (a mixed-precision overflow).
 """
 
@@ -54,7 +63,7 @@ from lightning_simigrad.core.statistics import HalfStats, equilibrium_batch_size
 
 __all__ = ["BatchSizeController", "RULES"]
 
-RULES = ("paper", "noise_scale")
+RULES = ("paper", "noise_scale", "ratchet")
 RESOLVED_Z = 3.0  # standard errors the averaged |G|^2 must stand above 0 before the noise-scale rule acts on it
 
 
@@ -90,13 +99,14 @@ class BatchSizeController:
         initial_batch_size: the starting global batch size ``B0``.
         min_batch_size: lower bound (default ``1``).
         max_batch_size: upper bound (default unbounded).
-        rule: ``"paper"`` or ``"noise_scale"`` (see the module docstring).
-        grow_factor: the paper rule's factor below the target (> 1).
+        rule: ``"paper"``, ``"noise_scale"`` or ``"ratchet"`` (see the module docstring).
+        grow_factor: the paper rule's factor below the target (> 1); the ratchet's largest growth a step.
         shrink_factor: the paper rule's factor above the target (in (0, 1)).
         smoothing: EMA decay in [0, 1) of the similarity the paper rule compares (0: the raw value).
         noise_scale_decay: EMA decay in [0, 1) of the noise-scale numerator and denominator.
         deadband: no change while ``|similarity - target| <= deadband``.
         warmup_steps: measured steps to wait before the first change.
+        counts_tokens: the batch counts tokens, the halves samples: :math:`B^*` is carried into tokens.
 
     Raises:
         ValueError: for any argument out of range; the message names it and says the fix.
@@ -123,6 +133,7 @@ class BatchSizeController:
         noise_scale_decay: float = 0.9,
         deadband: float = 0.0,
         warmup_steps: int = 0,
+        counts_tokens: bool = False,
     ) -> None:
         validate_target_similarity(target_similarity)
         for name, value in (("initial_batch_size", initial_batch_size),):
@@ -158,6 +169,7 @@ class BatchSizeController:
         self.shrink_factor = shrink_factor
         self.deadband = deadband
         self.warmup_steps = warmup_steps
+        self.counts_tokens = counts_tokens
         # The controller keeps a real-valued size: rounding only on the way out, so that repeated
         # x1.1 / x0.9 at small sizes are not swallowed by rounding (the paper's code loses them).
         self._size = float(self._clamp(initial_batch_size))
@@ -199,23 +211,38 @@ class BatchSizeController:
             return self.batch_size
         if abs(self.similarity - self.target_similarity) <= self.deadband:
             return self.batch_size
-        if self.rule == "paper":
-            factor = self.grow_factor if self.similarity < self.target_similarity else self.shrink_factor
+        below = self.similarity < self.target_similarity
+        if self.rule == "paper" or not self.noise_scale_resolved:
+            # The noise-scale rules before |G|^2 is told from its noise: B_noise, and B* above all near N, could be
+            # anything; a jump to it (with the LR scaled to match) threw digits runs off course. They step as the
+            # paper rule does instead, the ratchet without shrinking.
+            factor = self.grow_factor if below else self.shrink_factor if self.rule != "ratchet" else 1.0
             self._size = self._clamp(self._size * factor)
-        elif not self.noise_scale_resolved:
-            # |G|^2 not told from its noise: B_noise, and B* above all near N, could be anything; a jump to it
-            # (with the LR scaled to match) threw digits runs off course. Step as the paper rule does instead.
-            factor = self.grow_factor if self.similarity < self.target_similarity else self.shrink_factor
-            self._size = self._clamp(self._size * factor)
-        else:
-            noise_scale = self.noise_scale
-            if math.isfinite(noise_scale) and noise_scale > 0:
-                b_star = equilibrium_batch_size(noise_scale, self.target_similarity, self.population)
-                self._size = self._clamp(b_star if math.isfinite(b_star) else self._size * self.grow_factor)
-            elif self.similarity < self.target_similarity:
-                # |G|^2 estimate <= 0: the gradient is all noise at this size, so B* is beyond reach
+            return self.batch_size
+        b_star = self._b_star(stats)
+        if self.rule == "noise_scale":
+            if math.isfinite(b_star) and b_star > 0:
+                self._size = self._clamp(b_star)
+            elif below or math.isinf(b_star):
+                # |G|^2 estimate <= 0 or B_noise beyond the epoch: the gradient is all noise at this size, so B*
+                # is beyond reach
                 self._size = self._clamp(self._size * self.grow_factor)
+        else:  # ratchet: towards B*, at most grow_factor a step, never down
+            growth = b_star / self._size if b_star > 0 else 1.0
+            self._size = self._clamp(self._size * min(max(growth, 1.0), self.grow_factor))
         return self.batch_size
+
+    def _b_star(self, stats: HalfStats) -> float:
+        """:math:`B^*` for the smoothed noise scale, in the batch's unit (NaN while the estimate is not positive,
+        ``math.inf`` where no batch of the epoch reaches the target)."""
+        noise_scale = self.noise_scale
+        if not (math.isfinite(noise_scale) and noise_scale > 0):
+            return math.nan
+        b_star = equilibrium_batch_size(noise_scale, self.target_similarity, self.population)
+        if self.counts_tokens:
+            # B* counts samples; the step asked for self._size tokens and its halves hold n_a + n_b samples
+            b_star *= self._size / (stats.n_a + stats.n_b)
+        return b_star
 
     def _clamp(self, size: float) -> float:
         size = max(size, float(self.min_batch_size))

@@ -99,7 +99,7 @@ class Settings(BatchSettings):
 
     target_similarity: float = field(kw_only=False)
     adjust: bool = True  # False: measure and log, never change the batch
-    controller: str = "paper"  # "paper" (x grow / x shrink) or "noise_scale" (jump to B*)
+    controller: str = "paper"  # "paper" (x grow / x shrink), "noise_scale" (jump to B*) or "ratchet" (grow towards B*)
     grow_factor: float = 1.1
     shrink_factor: float = 0.9
     smoothing: float = 0.0  # EMA decay of the similarity the paper rule compares
@@ -111,13 +111,6 @@ class Settings(BatchSettings):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.batch_unit.weighted and self.controller == "noise_scale":
-            raise ValueError(
-                f"`controller='noise_scale'` with `{self.batch_unit.setting}`: the noise scale is measured in the"
-                f" halves' samples (or loss items) while the batch counts {self.batch_unit.name}, and the rule would"
-                " set one from the other. Use `controller='paper'`, whose similarity target is the same in any unit,"
-                f" or leave out `{self.batch_unit.setting}`."
-            )
         # the controller checks its own arguments
         BatchSizeController(**self.controller_args(self.initial_batch_size or self.min_batch_size or 1))
 
@@ -125,6 +118,7 @@ class Settings(BatchSettings):
         """The :class:`BatchSizeController` arguments, with B0 and the smallest batch a measurement needs."""
         args = {name: getattr(self, name) for name in _CONTROLLER_ARGS}
         args["rule"] = self.controller
+        args["counts_tokens"] = self.batch_unit.weighted  # B* counts samples; the batch, the unit's weight
         if min_batch_size is not None:
             args["min_batch_size"] = max(args["min_batch_size"] or 1, min_batch_size)
         return {"initial_batch_size": initial_batch_size, **args}

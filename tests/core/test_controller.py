@@ -259,3 +259,48 @@ def test_the_spread_of_the_noise_scale_estimate_survives_a_checkpoint():
     c = BatchSizeController(0.3, initial_batch_size=16, min_batch_size=16, rule="noise_scale")
     c.load_state_dict(older)
     assert c.noise_scale == saved and not c.noise_scale_resolved
+
+
+def test_the_ratchet_grows_towards_b_star_by_at_most_its_factor_and_never_shrinks():
+    c = BatchSizeController(0.8, initial_batch_size=100, rule="ratchet")
+    b_star = equilibrium_batch_size(100.0, 0.8)  # 800
+    sizes = [c.update(stats(0.0, noise_scale=100.0)) for _ in range(30)]
+    # the first step cannot judge its |G|^2 (cos 1/3 < 0.8: grow); then x1.1 a step until B*, and there it stays
+    expected, size = [], 100.0
+    for _ in range(30):
+        size = min(size * 1.1, b_star)
+        expected.append(round(size))
+    assert sizes == expected and sizes[-1] == round(b_star)
+    # the noise falls (B* = 80): the paper rule and the noise-scale rule would shrink, the ratchet holds
+    assert [c.update(stats(0.9, noise_scale=10.0)) for _ in range(5)] == [round(b_star)] * 5
+    # a larger B* later: growth resumes, still at most x1.1 a step
+    assert c.update(stats(0.0, noise_scale=1000.0)) == round(b_star * 1.1)
+
+
+def test_the_ratchet_before_the_noise_scale_is_resolved_grows_below_the_target_and_otherwise_holds():
+    c = BatchSizeController(0.5, initial_batch_size=100, rule="ratchet", noise_scale_decay=0.9)
+    assert c.update(stats(0.2)) == 110 and not c.noise_scale_resolved  # one step gives no spread: below, grow
+    # halves of unit norm and cosine 0.9: |G|^2 0.9, no spread, B_noise = 2 n (1 - 0.9) / (2 * 0.9) ~ 5.6, B* ~ 11
+    assert [c.update(stats(0.9)) for _ in range(3)] == [110] * 3
+
+
+def test_a_batch_in_tokens_aims_at_b_star_in_tokens():
+    # the halves hold 50 samples each, of a step that asked for 6,400 tokens: 64 tokens a sample
+    c = BatchSizeController(0.8, initial_batch_size=6400, rule="noise_scale", counts_tokens=True)
+    assert c.update(stats(0.0, noise_scale=100.0)) == 7040  # unresolved: the paper rule's step
+    # B* = 800 samples, at the 7,040 / 100 tokens a sample the step asked for
+    assert c.update(stats(0.0, noise_scale=100.0)) == round(800 * 7040 / 100)
+    samples = BatchSizeController(0.8, initial_batch_size=6400, rule="noise_scale")
+    samples.update(stats(0.0, noise_scale=100.0))
+    assert samples.update(stats(0.0, noise_scale=100.0)) == 800  # in samples B* is the batch itself
+    ratchet = BatchSizeController(0.8, initial_batch_size=6400, rule="ratchet", counts_tokens=True)
+    assert [ratchet.update(stats(0.0, noise_scale=100.0)) for _ in range(2)] == [7040, 7744]  # x1.1: B* far above
+
+
+def test_settings_carry_the_unit_to_the_controller_and_accept_every_rule_in_tokens():
+    from lightning_simigrad.core.settings import Settings
+
+    for rule in ("paper", "noise_scale", "ratchet"):
+        settings = Settings(0.5, lengths=[3, 4], initial_batch_size=64, controller=rule)
+        assert settings.controller_args(64)["counts_tokens"] is True
+    assert Settings(0.5, controller="ratchet").controller_args(64)["counts_tokens"] is False

@@ -182,8 +182,6 @@ def test_refusals_name_the_setting_and_the_fix() -> None:
         SimiGrad(0.5, max_micro_batch_tokens=512)
     with pytest.raises(ValueError, match="give `initial_batch_size` \\(B0\\) in tokens"):
         SimiGrad(0.5, lengths=[3, 4])
-    with pytest.raises(ValueError, match="Use `controller='paper'`"):
-        SimiGrad(0.5, lengths=[3, 4], initial_batch_size=64, controller="noise_scale")
     with pytest.raises(ValueError, match="`lengths` must be one int per sample"):
         SimiGrad(0.5, lengths="abc", initial_batch_size=64)
     with pytest.raises(ValueError, match="`max_micro_batch_tokens` must be a positive int"):

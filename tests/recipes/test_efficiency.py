@@ -176,3 +176,15 @@ def test_the_grid_widens_past_an_edge_and_fills_in_new_seeds() -> None:
     # a new seed gets every rate its batch has been tried at
     more = efficiency.widen_grid(task, "digits", rows, [16], [2], 1000)
     assert sorted(r.lr_mult for r in more) == [0.5, 1, 2] and all(r.seed == 2 for r in more)
+
+
+def test_a_studywide_override_moves_the_grid_centre_and_each_run_keeps_its_own_rate(tmp_path: Path) -> None:
+    extra = ["optimizer.lr=0.04", "num_threads=1"]
+    task = efficiency.with_recipe_defaults(efficiency.TASKS["digits"], extra)
+    assert task.lr0 == pytest.approx(0.04)  # the grid is centred on the override ...
+    runs = efficiency.static_runs(task, "digits", [64], [0.5, 2], [0], 5000)
+    for run in runs:  # ... and every run trains at its own rate of that grid, not at the override
+        cfg = efficiency.compose_run(task, run, tmp_path, extra, "none")
+        assert cfg.optimizer.lr == pytest.approx(0.04 * math.sqrt(64 / 16) * run.lr_mult, rel=1e-5)
+        assert cfg.num_threads == 1
+    assert len({efficiency.compose_run(task, r, tmp_path, extra, "none").optimizer.lr for r in runs}) == 2
