@@ -413,7 +413,9 @@ def restore(run: Run, restart: Restart, warn: Callable[[str], None], info: Calla
     run.scheduler_steps.load_state_dict(saved.progress)
     piece = saved.schedule
     batch_size = run.within_bounds(piece.batch_size)
-    planned = tuple(run.within_bounds(size) for size in piece.planned)
+    # a share of the epoch's tail is planned again as it was: the uninterrupted run did not bound it either
+    tails = piece.planned_tails + (False,) * (len(piece.planned) - len(piece.planned_tails))
+    planned = tuple(size if tail else run.within_bounds(size) for size, tail in zip(piece.planned, tails))
     resume = ResumePoint(piece.epoch, saved.counts.epoch_samples_done, planned)
     run.schedule.load_state_dict(replace(piece, batch_size=batch_size, epoch_offset=restart.epoch_offset), resume)
     if batch_size != piece.batch_size or planned != piece.planned:

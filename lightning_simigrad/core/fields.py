@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
+    "BOOL",
     "DICT",
     "EMA",
     "FINITE_NUMBER",
@@ -68,6 +69,7 @@ EMA = Field(
     lambda v: isinstance(v, (list, tuple)) and len(v) == 2 and all(_finite_number(x) for x in v), "two finite numbers"
 )
 DICT = Field(lambda v: isinstance(v, dict), "a dict")
+BOOL = Field(lambda v: isinstance(v, bool), "a bool")
 
 
 def list_of(field: Field, expected: str) -> Field:

@@ -110,12 +110,12 @@ class EpochPlanner:
         """The position where the fit's budget is spent, from the next window's first (``math.inf``: unbounded)."""
         return self.positions.reach(self.position, max(self.budget, 0), nearest=False)
 
-    def record(self, window: Window, recorded: int) -> int:
+    def record(self, window: Window, recorded: int, tail: bool = False) -> int:
         """The next window, planned from the position it returns, asked for as ``recorded`` (what a resumed run asks
-        for to plan it again)."""
+        for to plan it again; ``tail``: a share of the epoch's tail)."""
         start, plan = self.position, self.plan
         self.budget -= window.weight
-        plan.append(window, recorded)
+        plan.append(window, recorded, tail)
         self.position = plan.planned = start + window.total
         if self.end is None:  # a stream's epoch ends where what arrived ends
             plan.end = self.position

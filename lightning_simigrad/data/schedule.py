@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from lightning_simigrad.core.fields import NON_NEGATIVE_INT, POSITIVE_INT, Field, added_later, list_of
+from lightning_simigrad.core.fields import BOOL, NON_NEGATIVE_INT, POSITIVE_INT, Field, added_later, list_of
 from lightning_simigrad.core.plan import Window, plan_window
 from lightning_simigrad.core.units import Unit
 
@@ -37,7 +37,8 @@ class EpochPlan:
 
     ``windows[0]`` is the window being trained; windows are dropped once training moves past them, so the
     plan holds only the few windows the DataLoader has drawn ahead (its memory does not grow with the epoch).
-    ``requests[i]`` is the batch size ``windows[i]`` was planned with.
+    ``requests[i]`` is the batch size ``windows[i]`` was planned with, and ``tails[i]`` whether that was a share of
+    the epoch's tail rather than a batch size asked for (a share may lie below the fit's ``min_batch_size``).
 
     ``end`` is the sample position where the epoch's training stops (the data's end, a limit, or the fit's
     budget) and ``planned`` how far windows are planned; once a window reaches ``end``, ``last_window``
@@ -48,6 +49,7 @@ class EpochPlan:
     epoch: int = 0
     windows: deque[Window] = field(default_factory=deque)
     requests: deque[int] = field(default_factory=deque)
+    tails: deque[bool] = field(default_factory=deque)
     end: int = 0
     planned: int = 0
     last_window: int | None = None
@@ -61,9 +63,10 @@ class EpochPlan:
         """Windows planned in this epoch so far, trained or not."""
         return self._dropped + len(self.windows)
 
-    def append(self, window: Window, requested: int) -> None:
+    def append(self, window: Window, requested: int, tail: bool = False) -> None:
         self.windows.append(window)
         self.requests.append(requested)
+        self.tails.append(tail)
 
     def next_micro_batch(self) -> tuple[Window, int]:
         """Advance to the next micro-batch the trainer receives; returns its window and index in it."""
@@ -71,6 +74,7 @@ class EpochPlan:
         if self._micro >= self.windows[0].num_micro_batches:
             self.windows.popleft()
             self.requests.popleft()
+            self.tails.popleft()
             self._dropped += 1
             self._micro = 0
             self._committed = False
@@ -93,9 +97,16 @@ class EpochPlan:
     @property
     def pending(self) -> list[int]:
         """Batch sizes of the planned windows no optimizer step has averaged yet, in order."""
-        requests = list(self.requests)
+        return self._unaveraged(self.requests)
+
+    @property
+    def pending_tails(self) -> list[bool]:
+        """Which of :attr:`pending` are shares of the epoch's tail."""
+        return self._unaveraged(self.tails)
+
+    def _unaveraged(self, per_window: deque[Any]) -> list[Any]:
         started = self._micro >= 0
-        return requests[1:] if started and self._committed else requests
+        return list(per_window)[1:] if started and self._committed else list(per_window)
 
     def micro_batches_left(self) -> tuple[int, bool]:
         """Micro-batches the epoch trains after the current one, and whether the count is exact.
@@ -121,6 +132,8 @@ class SchedulePiece:
         epoch: the data's epoch being trained.
         planned: the batch sizes of the windows planned that no optimizer step had averaged, in order.
         epoch_offset: how far the training loop's epoch count ran ahead of the data's.
+        planned_tails: which of ``planned`` are shares of the epoch's tail (a resume keeps them as they are: bounds
+            hold for the batch sizes asked for, not for the tail's shares).
     """
 
     batch_size: int
@@ -128,6 +141,7 @@ class SchedulePiece:
     epoch: int
     planned: tuple[int, ...] = ()
     epoch_offset: int = 0
+    planned_tails: tuple[bool, ...] = ()
 
     @classmethod
     def of(cls, piece: dict[str, Any]) -> SchedulePiece:
@@ -138,6 +152,7 @@ class SchedulePiece:
             int(piece["epoch"]),
             tuple(int(size) for size in piece["planned"]),
             int(piece.get("epoch_offset", 0)),  # (added after checkpoints were written without it)
+            tuple(bool(tail) for tail in piece.get("planned_tails", ())),  # (likewise; no tail then)
         )
 
     def state_dict(self) -> dict[str, Any]:
@@ -147,6 +162,7 @@ class SchedulePiece:
             "epoch": self.epoch,
             "planned": list(self.planned),
             "epoch_offset": self.epoch_offset,
+            "planned_tails": list(self.planned_tails),
         }
 
 
@@ -213,6 +229,7 @@ class WindowSchedule:
         "epoch": NON_NEGATIVE_INT,
         "planned": list_of(POSITIVE_INT, "a list of positive ints"),
         "epoch_offset": added_later(NON_NEGATIVE_INT, 0),
+        "planned_tails": added_later(list_of(BOOL, "a list of bools"), []),
     }
 
     def state_dict(self) -> dict[str, Any]:
@@ -220,7 +237,12 @@ class WindowSchedule:
         trained, the batch sizes of the windows planned that no optimizer step has averaged yet, and how far the
         training loop's epoch count runs ahead of the data's."""
         piece = SchedulePiece(
-            self.batch_size, self.seed, self.current.epoch, tuple(self.current.pending), self.epoch_offset
+            self.batch_size,
+            self.seed,
+            self.current.epoch,
+            tuple(self.current.pending),
+            self.epoch_offset,
+            tuple(self.current.pending_tails),
         )
         return piece.state_dict()
 

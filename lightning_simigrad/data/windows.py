@@ -65,14 +65,14 @@ def walk_epoch(
         planned = _next_window(walk)
         if planned is None:
             break  # the data's own tail, smaller than a window, under drop_last
-        window, recorded = planned
-        yield window, walk.planner.record(window, recorded)
+        window, recorded, tail = planned
+        yield window, walk.planner.record(window, recorded, tail)
     walk.planner.finish()
 
 
-def _next_window(walk: _Walk) -> tuple[Window, int] | None:
-    """The next window from the walk's position and what a resumed run asks for to plan it again; None where
-    ``drop_last`` drops the rest."""
+def _next_window(walk: _Walk) -> tuple[Window, int, bool] | None:
+    """The next window from the walk's position, what a resumed run asks for to plan it again and whether that is a
+    share of the epoch's tail; None where ``drop_last`` drops the rest."""
     planner, schedule = walk.planner, walk.planner.schedule
     position, positions = planner.position, planner.positions
     asked = planner.asked()
@@ -94,7 +94,7 @@ def _next_window(walk: _Walk) -> tuple[Window, int] | None:
     # what a resumed run asks for to plan this window again: the batch asked for, or the tail's share in the unit
     # (its positions' weight), which leads back to the same positions
     recorded = positions.weight_before(position + requested) - positions.weight_before(position) if tail else asked
-    return window, recorded
+    return window, recorded, tail
 
 
 def _requested(walk: _Walk, asked: int) -> tuple[int, bool]:

@@ -37,9 +37,11 @@ def test_the_state_in_a_checkpoint_is_this_structure(tmp_path):
     assert 0 < counts["epoch_samples_done"] < 100 and counts["samples_seen"] == 100 + counts["epoch_samples_done"]
     assert counts["weight_seen"] == counts["samples_seen"]  # batches counted in samples: every sample weighs 1
     schedule = state["schedule"]
-    assert list(schedule) == ["batch_size", "seed", "epoch", "planned", "epoch_offset"] and schedule["epoch"] == 1
+    assert list(schedule) == ["batch_size", "seed", "epoch", "planned", "epoch_offset", "planned_tails"]
+    assert schedule["epoch"] == 1
     assert all(type(schedule[k]) is int for k in ("batch_size", "seed")) and schedule["epoch_offset"] == 0
     assert isinstance(schedule["planned"], list) and all(type(size) is int for size in schedule["planned"])
+    assert [type(tail) for tail in schedule["planned_tails"]] == [bool] * len(schedule["planned"])
     assert list(state["controller"]) == [
         "size",
         "measured_steps",

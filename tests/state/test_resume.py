@@ -386,3 +386,28 @@ def test_a_mid_epoch_checkpoint_without_simigrad_state_says_that_the_epoch_resta
     (warning,) = [str(w.message) for w in caught if "has no SimiGrad state" in str(w.message)]
     assert "written 4 batches into epoch 0" in warning and "epoch 0 restarts from its first sample" in warning
     assert sorted(i for m in model.micro_batches for i in m) == list(range(N))  # the whole epoch, once
+
+
+@pytest.mark.timeout(300)
+def test_a_checkpoint_inside_an_epochs_shared_tail_resumes_exactly_under_a_min_batch_size(tmp_path):
+    """The epoch's last two windows share what is left (here 12 and 12 of 104 samples after four windows of 20), so
+    the first share lies below ``min_batch_size``; a checkpoint written inside it asks for the share again, and the
+    resumed run must plan it as it was, not raise it to the bound (which would train 16 and then 8)."""
+
+    def fit(root, callbacks=(), ckpt_path=None):
+        pl.seed_everything(0)
+        model = Regressor(dropout=0.2)
+        cb = SimiGrad(target_similarity=0.5, adjust=False, initial_batch_size=20, min_batch_size=16)
+        steps = StepSamples()
+        t = trainer(callbacks=[cb, steps, *callbacks], max_epochs=1)
+        t.fit(model, DataLoader(IndexedRegression(104), batch_size=20, shuffle=True), ckpt_path=ckpt_path)
+        return cb, steps.steps, model
+
+    whole, whole_steps, whole_model = fit(tmp_path / "whole", [SaveInsideWindow(tmp_path / "tail.ckpt", 4)])
+    assert [len(s) for s in whole_steps] == [20] * 4 + [12, 12]
+    state = torch.load(tmp_path / "tail.ckpt", weights_only=False)["callbacks"]["SimiGrad"]
+    assert state["schedule"]["planned"][0] == 12  # written inside the tail's first share
+    resumed, resumed_steps, resumed_model = fit(tmp_path / "resumed", ckpt_path=tmp_path / "tail.ckpt")
+    assert resumed_steps == whole_steps[4:]
+    assert rows(resumed.history) == rows(whole.history[4:])
+    assert_same_weights(resumed_model, whole_model)
