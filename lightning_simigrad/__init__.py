@@ -16,6 +16,7 @@ from lightning_simigrad.core.lr_scaling import lr_factor
 from lightning_simigrad.core.plan import Window, plan_window
 from lightning_simigrad.core.statistics import HalfStats, equilibrium_batch_size, expected_similarity
 from lightning_simigrad.core.units import Unit
+from lightning_simigrad.core.world import Elastic, ResizeRequest
 from lightning_simigrad.data.sampler import AdaptiveBatchSampler
 from lightning_simigrad.data.schedule import WindowSchedule
 from lightning_simigrad.measurement import Measurement, MeasurementError, RankGroupMeasurement
@@ -31,10 +32,12 @@ __all__ = [
     "BatchSchedule",
     "BatchSizeController",
     "BatchSizeSchedule",
+    "Elastic",
     "HalfStats",
     "Measurement",
     "MeasurementError",
     "RankGroupMeasurement",
+    "ResizeRequest",
     "SimiGrad",
     "Unit",
     "Window",

@@ -152,6 +152,12 @@ class SimiGrad(Readings):
         self._fit().before_optimizer_step(trainer, pl_module)
 
     @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._fit().train_batch_end(trainer)
+
+    @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._fit().train_epoch_end()
 
@@ -170,6 +176,8 @@ class SimiGrad(Readings):
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         # Lightning skips `teardown` after an error: leave the gradient whole and the Trainer as it was
+        if self._session is not None:
+            self._session.exception(trainer, exception)
         self._close()
 
     def _fit(self) -> FitSession:

@@ -24,6 +24,7 @@ from lightning_simigrad.core.batch_schedules import BatchSchedule
 from lightning_simigrad.core.controller import BatchSizeController
 from lightning_simigrad.core.lr_scaling import LR_SCALINGS
 from lightning_simigrad.core.units import Unit, unit_of
+from lightning_simigrad.core.world import Elastic
 
 __all__ = ["BatchSettings", "Settings"]
 
@@ -48,6 +49,7 @@ class BatchSettings:
     lengths: Sequence[int] | Callable[[Any], Any] | None = None
     max_micro_batch_tokens: int | None = None  # most padded tokens per device in one forward/backward (with `lengths`)
     unit: Unit | None = None  # what batch sizes count, a weight of each sample's own (default: samples, or `lengths`)
+    elastic: Elastic | None = None  # the world size the batch wants, logged and asked for (default: not watched)
 
     def __post_init__(self) -> None:
         if self.lr_scaling not in LR_SCALINGS:
@@ -65,6 +67,11 @@ class BatchSettings:
                 f" {self.loss_items!r}. For example `loss_items=lambda batch: (batch['labels'] != -100).sum()`."
             )
         self._check_unit()
+        if self.elastic is not None and not isinstance(self.elastic, Elastic):
+            raise ValueError(
+                f"`elastic` must be a `lightning_simigrad.Elastic`, got {self.elastic!r}. For example"
+                " `elastic=Elastic(max_accumulation=8, devices_per_node=8, max_nodes=16)`."
+            )
         size = self.history_size
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 0):
             raise ValueError(

@@ -56,6 +56,11 @@ class Reporting:
         self.batch_range = (2**63, 0)  # smallest and largest step of this process's fits
         self.b0_steps = 0  # the samples trained so far, in steps of B0 (what the fixed batch takes)
 
+    def annotate(self, **values: float) -> None:
+        """Readings beside the step's row that only some fits have (``world_size_wanted``), into its history row."""
+        if self.history_size != 0 and self.history:
+            self.history[-1].update(values)
+
     def record(self, step: Step, run: Run, applied_lr: float, b0_steps: int) -> dict[str, float]:
         """The step's row of :data:`METRICS`, kept in the history."""
         row = {

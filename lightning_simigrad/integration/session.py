@@ -25,6 +25,7 @@ from lightning_simigrad.core.settings import Settings
 from lightning_simigrad.integration import neighbours, refusals, trainer_facts
 from lightning_simigrad.integration.accumulation import VariableAccumulation
 from lightning_simigrad.integration.data_source import AdaptiveDataSource, Source, WeightsRead, source_for
+from lightning_simigrad.integration.elastic import ElasticWatch
 from lightning_simigrad.integration.epoch_length import EpochLength
 from lightning_simigrad.integration.lr_scaler import StepLRScaler
 from lightning_simigrad.integration.progress_bar import BarPostfix
@@ -105,6 +106,7 @@ class FitSession:
         self.epoch_length = EpochLength()
         self.monitors = neighbours.AppliedLRMonitor(self._upcoming_lr_factor)
         self.bar = BarPostfix(self._postfix)
+        self.elastic = ElasticWatch(settings.elastic, trainer) if settings.elastic is not None else None
         AdaptiveDataSource.install(trainer, self._adapt_dataloader)
         self.schedules.attach(trainer)
 
@@ -220,9 +222,21 @@ class FitSession:
             self.lr.rescale(step.lr_factor)
         self.schedules.record_step(*step.epoch_span, *step.total_span)
         row = self.reporting.record(step, run, self.lr.applied_lr(), self.schedules.steps_done())
+        if self.elastic is not None:
+            row["simigrad/world_size_wanted"] = float(self.elastic.step(run, step))
+            self.reporting.annotate(world_size_wanted=row["simigrad/world_size_wanted"])
         self.reporting.publish(trainer, row, step.index)
         if run.done:
             self.schedules.end_fit()  # `max_samples` (or `max_steps` in B0-steps) reached exactly: stop
+
+    def train_batch_end(self, trainer: pl.Trainer) -> None:
+        if self.elastic is not None and self.started:
+            self.elastic.batch_end(trainer, self.run)
+
+    def exception(self, trainer: pl.Trainer, exception: BaseException) -> None:
+        """The fit failed or was stopped: a SIGTERM's checkpoint is written while the run is still whole."""
+        if self.elastic is not None and self.started:
+            self.elastic.on_exception(trainer, exception)
 
     def train_epoch_end(self) -> None:
         if self._run is not None:
@@ -248,7 +262,12 @@ class FitSession:
 
     # ------------------------------------------------------------------------------ for the neighbours
     def _postfix(self) -> dict[str, str] | None:
-        return self.reporting.postfix(self._run) if self.started and self._run is not None else None
+        if not (self.started and self._run is not None):
+            return None
+        fields = self.reporting.postfix(self._run)
+        if fields is not None and self.elastic is not None:
+            fields["W"] = f"{self.trainer.world_size}>{self.elastic.world_size_wanted}"  # current > wanted
+        return fields
 
     def _upcoming_lr_factor(self) -> float:  # for the LR monitors
         return self._run.upcoming_lr_factor if self.started and self._run is not None else 1.0

@@ -45,6 +45,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--crash-writing", type=int)
     parser.add_argument("--fault-rank", type=int, default=1)
     parser.add_argument(
+        "--elastic",
+        type=int,
+        metavar="MAX_ACCUMULATION",
+        help="follow the batch: SimiGrad(elastic=Elastic(max_accumulation=..., max_nodes=2, on_request='continue')),"
+        " one rank a node, the nodes torchrun's rendezvous gave (--devices and --nodes do not apply)",
+    )
+    parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds every micro-batch waits (a slower fit)")
+    parser.add_argument(
         "--master-port",
         type=int,
         help="the port rank 0 hosts the group's store on, in every attempt (torchrun's own choice is a port it bound"
@@ -72,7 +80,7 @@ def main(argv: list[str]) -> None:
     from lightning.pytorch.callbacks import ModelCheckpoint
     from torch.utils.data import DataLoader
 
-    from lightning_simigrad import SimiGrad
+    from lightning_simigrad import Elastic, SimiGrad
     from tests.support.helpers import IndexedRegression, Regressor
 
     class Log(pl.Callback):
@@ -96,6 +104,9 @@ def main(argv: list[str]) -> None:
                 restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
                 world=trainer.world_size,
                 node=trainer.node_rank,
+                # rank 0's process tells the group's processes apart from every other group's (a membership change
+                # starts new ones without counting a restart)
+                leader=int(trainer.strategy.broadcast(os.getpid(), src=0)),
             )
 
         def on_train_batch_start(
@@ -111,6 +122,7 @@ def main(argv: list[str]) -> None:
             if self.simigrad.local_samples:  # 0: a zero-weight padding sample, no sample of the step
                 self.fed += batch[0].tolist()
             self.micro += 1
+            time.sleep(args.step_sleep)
 
         def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
             row = self.simigrad.history[-1]
@@ -127,7 +139,13 @@ def main(argv: list[str]) -> None:
         crash_while_writing(args.out, args.crash_writing)
 
     pl.seed_everything(0)
-    simigrad = SimiGrad(target_similarity=0.9, smoothing=0.5, max_batch_size=120, max_micro_batch_size=6)
+    elastic = None
+    if args.elastic is not None:
+        elastic = Elastic(max_accumulation=args.elastic, devices_per_node=1, max_nodes=2, patience=2, on_request="continue")
+        args.devices, args.nodes = 1, int(os.environ["WORLD_SIZE"])
+    simigrad = SimiGrad(
+        target_similarity=0.9, smoothing=0.5, max_batch_size=120, max_micro_batch_size=6, elastic=elastic
+    )
     checkpoint = ModelCheckpoint(
         dirpath=args.out / "checkpoints",
         filename="{step}",
