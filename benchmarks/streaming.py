@@ -161,5 +161,6 @@ def main() -> None:
               f" {median(ratios[f'stream {clock}']):.3f}, on map-style data {median(ratios[f'map {clock}']):.3f};"
               f" the stream's own share {median(shares[clock]):.3f}")  # fmt: skip
 
+
 if __name__ == "__main__":
     main()

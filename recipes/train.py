@@ -138,13 +138,21 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     callbacks: list[pl.Callback] = [trace]
     if cfg.get("simigrad"):
         callbacks.insert(0, instantiate(cfg.simigrad))
+        if cfg.simigrad.get("elastic") and cfg.trainer.get("enable_checkpointing", True):
+            # every start of an elastic run resumes from one folder: ckpt_path=last finds the newest last*.ckpt there
+            # (the request's last-simigrad.ckpt too), whatever folder a logger would give this start's checkpoints
+            from lightning.pytorch.callbacks import ModelCheckpoint
+
+            callbacks.append(ModelCheckpoint(dirpath=out / "checkpoints", save_last=True))
     logger = _logger(cfg, out, run_name)
     if logger:
         callbacks.append(LearningRateMonitor(logging_interval="step"))
-    trainer: pl.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=logger, default_root_dir=str(out))
+    trainer: pl.Trainer = instantiate(
+        cfg.trainer, callbacks=callbacks, logger=logger, default_root_dir=str(out), **_elastic_world(cfg)
+    )
 
     try:
-        trainer.fit(model, datamodule=datamodule)
+        trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
         if not any(k.startswith("val/") for k in trainer.callback_metrics):
             trainer.validate(model, datamodule=datamodule, verbose=False)  # stopped by max_steps mid-epoch
     finally:
@@ -159,6 +167,19 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if trainer.is_global_zero:
         _report(run_name, result)
     return result
+
+
+def _elastic_world(cfg: DictConfig) -> dict[str, int]:
+    """Under an elastic torchrun (``--nnodes=MIN:MAX``) the world is what the rendezvous gave, which changes from one
+    start to the next: the Trainer's devices and nodes are read from torchrun's environment rather than the config
+    (Lightning refuses a product that differs from ``WORLD_SIZE``)."""
+    import os
+
+    simigrad = cfg.get("simigrad")
+    if not (simigrad and simigrad.get("elastic") and "TORCHELASTIC_RUN_ID" in os.environ):
+        return {}
+    local = int(os.environ["LOCAL_WORLD_SIZE"])
+    return {"devices": local, "num_nodes": int(os.environ["WORLD_SIZE"]) // local}
 
 
 def _check_required(cfg: DictConfig) -> None:

@@ -93,7 +93,9 @@ class ElasticWatch:
         if self.elastic.save_on_sigterm and isinstance(exception, SIGTERMException):
             path = self.checkpoint_path(trainer)
             trainer.save_checkpoint(path)
-            rank_zero_info(f"SimiGrad: SIGTERM received; saved an exact checkpoint at step {trainer.global_step}: {path}")
+            rank_zero_info(
+                f"SimiGrad: SIGTERM received; saved an exact checkpoint at step {trainer.global_step}: {path}"
+            )
 
     def checkpoint_path(self, trainer: pl.Trainer) -> Path:
         return self._directory(trainer) / Elastic.CHECKPOINT

@@ -15,9 +15,10 @@ from typing import Any
 
 import pytest
 
+from lightning_simigrad import Elastic
 from lightning_simigrad.core.world import ResizeTrigger, WorldRule
 from lightning_simigrad_recipes.train import train
-from tests.recipes.test_recipes import TINY, compose_cfg
+from tests.recipes.test_recipes import compose_cfg
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "elastic_cost.py"
@@ -40,8 +41,12 @@ def trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     The smoke run ``simigrad-trace``'s tests use moves its batch within 8..11, in micro-batches up to 6: too little
     to want another world."""
     out = tmp_path_factory.mktemp("digits")
-    overrides = ["+trainer.limit_val_batches=0", "trainer.enable_checkpointing=false", f"output_dir={out}"]
-    return Path(train(compose_cfg([*TINY, *overrides]))["trace_csv"])
+    # one thread: the small convolutions gain nothing from two, and lose much on a busy machine
+    overrides = [
+        "num_threads=1", "logger=none", "+trainer.limit_val_batches=0", "trainer.enable_checkpointing=false",
+        "trainer.enable_progress_bar=false", f"output_dir={out}",
+    ]  # fmt: skip
+    return Path(train(compose_cfg(overrides))["trace_csv"])
 
 
 def test_the_script_runs_on_a_recipe_trace(trace: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -120,13 +125,28 @@ def test_the_device_model() -> None:
     assert doctest.testmod(elastic_cost).failed == 0
 
 
-def test_a_profile_file_round_trips(tmp_path: Path) -> None:
+def test_a_profile_file_round_trips_and_times_the_micro_batches(
+    trace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     points = ((1.0, 0.002), (8.0, 0.004))
     elastic_cost.write_profile(points, tmp_path / "profile.csv")
     assert elastic_cost.read_profile(tmp_path / "profile.csv") == points
+    elastic_cost.main(["--trace", str(trace), "--profile-file", str(tmp_path / "profile.csv")])
+    assert "t(x) interpolated in a profile of 2 (size, seconds) points: 1: 2 ms, 8: 4 ms" in capsys.readouterr().out
     (tmp_path / "empty.csv").write_text("size,seconds\n")
     with pytest.raises(ValueError, match="holds no"):
         elastic_cost.read_profile(tmp_path / "empty.csv")
+
+
+def test_the_smoke_mode_states_its_shape_as_an_assumption(capsys: pytest.CaptureFixture[str]) -> None:
+    assert elastic_cost.main(["--smoke"]) == 0
+    out = capsys.readouterr().out
+    assert "BERT-Large shape" in out and "an assumed shape, not data" in out and "batch 128..78,000 samples" in out
+    assert (
+        "\nfixed W=1 " in out
+        and f"\nelastic (x2, {Elastic.patience}) " in out
+        and "\nelastic, every step, free " in out
+    )
 
 
 def shape(b0: int, final: int) -> Any:

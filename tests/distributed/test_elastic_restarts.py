@@ -68,16 +68,16 @@ def whole(rows: list[dict], world: int) -> dict | None:
     if len(rows) != world:
         return None
     assert len({(r["batch_size"], r["similarity"]) for r in rows}) == 1  # the ranks agree on the step's decision
-    return {"batch_size": rows[0]["batch_size"], "epoch": rows[0]["epoch"], "samples": sorted(
-        i for r in rows for i in r["samples"]
-    )}
+    return {
+        "batch_size": rows[0]["batch_size"],
+        "epoch": rows[0]["epoch"],
+        "samples": sorted(i for r in rows for i in r["samples"]),
+    }
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(4 * LAUNCH_TIMEOUT)
-def test_the_run_asks_for_a_node_grows_onto_it_survives_its_loss_and_loses_nothing(
-    tmp_path, master_port, reserve_port
-):
+def test_the_run_asks_for_a_node_grows_onto_it_survives_its_loss_and_loses_nothing(tmp_path, master_port, reserve_port):
     port = master_port  # the rendezvous, hosted by node 0's torchrun
     launcher = ["--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=3", "--rdzv-backend=c10d", "--rdzv-id=elastic"]
     launcher += ["--rdzv-conf=last_call_timeout=2", "--monitor-interval=1"]

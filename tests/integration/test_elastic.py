@@ -1,6 +1,7 @@
 """Devices that follow the batch, in one process: the wanted world size logged every step, the request written at a
 step's boundary with an exact checkpoint beside it, and a SIGTERM in the middle of a window saving one that loses no
-finished step. (The restarts at another world size under real torchrun agents: tests/distributed/test_elastic_restarts.py.)"""
+finished step. (The restarts at another world size under real torchrun agents:
+tests/distributed/test_elastic_restarts.py.)"""
 
 from __future__ import annotations
 

@@ -361,3 +361,25 @@ def test_a_schedule_over_the_fit_runs_once_whatever_the_batch(tmp_path: Path) ->
     peak = max(lrs)
     assert len(rows) < 90  # far fewer optimizer steps than the 180 of the fixed batch
     assert lrs.index(peak) < len(lrs) // 4 and lrs[-1] < 0.05 * peak  # warm-up, then decay to (almost) 0
+
+
+def test_digits_elastic_asks_for_nodes_and_resumes_from_last(tmp_path: Path) -> None:
+    """``elastic=follow``: the request and its checkpoint land in the run's checkpoints folder, the fit stops there,
+    and the same command with ``ckpt_path=last`` (what a job script relaunches) continues from that step."""
+    from lightning_simigrad import Elastic, ResizeRequest
+
+    common = [
+        "elastic=follow", "simigrad.elastic.max_accumulation=1", "simigrad.elastic.patience=2",
+        "simigrad.max_micro_batch_size=8", "simigrad.max_samples=1200", f"output_dir={tmp_path}", *TINY,
+    ]  # fmt: skip
+    stopped = train(compose_cfg(common))
+    request = ResizeRequest.read(tmp_path / "checkpoints" / Elastic.REQUEST)
+    assert request.nodes > request.current_nodes == 1 and request.step == stopped["steps"]
+    assert request.checkpoint == str((tmp_path / "checkpoints" / Elastic.CHECKPOINT).resolve())
+    assert stopped["samples_seen"] < 1200  # stopped at the request, before the budget
+    resumed = train(compose_cfg([*common, "ckpt_path=last", "simigrad.elastic.on_request=continue"]))
+    with open(resumed["trace_csv"]) as f:
+        rows = list(csv.DictReader(f))
+    assert int(float(rows[0]["step"])) == request.step  # the resumed fit's first step is the request's next
+    assert int(float(rows[0]["samples_seen"])) > request.samples_seen  # and its count continues the request's
+    assert resumed["samples_seen"] == 1200  # and the fit ends at the budget, exactly

@@ -113,8 +113,9 @@ def run_group(
     store = dist.TCPStore(HOST, 0, is_master=True, timeout=timeout, wait_for_workers=False)
     stacks = tempfile.mkdtemp(prefix="simigrad-ranks-")
     child_args = (world_size, store.port, pg_timeout_s, deadline_s, fn, args, out, teardown, stacks)
-    processes = [context.Process(target=_child, args=(rank, *child_args), daemon=not workers)
-                 for rank in range(world_size)]
+    processes = [
+        context.Process(target=_child, args=(rank, *child_args), daemon=not workers) for rank in range(world_size)
+    ]
     results: dict[int, tuple[Any, str | None]] = {}
     released = False
 

@@ -141,7 +141,9 @@ def main(argv: list[str]) -> None:
     pl.seed_everything(0)
     elastic = None
     if args.elastic is not None:
-        elastic = Elastic(max_accumulation=args.elastic, devices_per_node=1, max_nodes=2, patience=2, on_request="continue")
+        elastic = Elastic(
+            max_accumulation=args.elastic, devices_per_node=1, max_nodes=2, patience=2, on_request="continue"
+        )
         args.devices, args.nodes = 1, int(os.environ["WORLD_SIZE"])
     simigrad = SimiGrad(
         target_similarity=0.9, smoothing=0.5, max_batch_size=120, max_micro_batch_size=6, elastic=elastic
