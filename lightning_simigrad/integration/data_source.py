@@ -71,9 +71,9 @@ class MapSource:
 
     sized, keeps_position = True, False
 
-    def __init__(self, trainer: pl.Trainer, loader: DataLoader, settings: Settings, weights: WeightsRead) -> None:
-        self.trainer, self.loader = trainer, loader
-        self.order = trainer_facts.training_order(trainer, loader)
+    def __init__(self, loader: DataLoader, order: Any, settings: Settings, weights: WeightsRead) -> None:
+        """``order``: the sampler an epoch follows (the loader's, unless the training loop trains another)."""
+        self.loader, self.order = loader, order
         data = trainer_facts.data_of(loader, self.order)
         read = weights.of(settings, loader.dataset)
         self.data = data if read is None else replace(data, weights=read, weight=int(read.sum()))
@@ -89,7 +89,7 @@ def source_for(trainer: pl.Trainer, loader: DataLoader, settings: Settings, weig
     """The source the training DataLoader is: a stream (an ``IterableDataset``), else a map-style dataset."""
     if streams.is_stream(loader):
         return streams.StreamSource(trainer, loader, settings)
-    return MapSource(trainer, loader, settings, weights)
+    return MapSource(loader, trainer_facts.training_order(trainer, loader), settings, weights)
 
 
 class AdaptiveDataSource(_DataLoaderSource):

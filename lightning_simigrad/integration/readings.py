@@ -20,13 +20,23 @@ from lightning_simigrad.core.controller import BatchSizeController
 from lightning_simigrad.core.settings import Settings
 from lightning_simigrad.data.schedule import WindowSchedule
 from lightning_simigrad.exchange import gather_objects
+from lightning_simigrad.integration.data_source import Source
 from lightning_simigrad.integration.reporting import Reporting
 from lightning_simigrad.integration.session import Carried, FitSession
 from lightning_simigrad.integration.spawn_results import Origin
 from lightning_simigrad.run import Run
 from lightning_simigrad.state.checkpoint import Saved, compose, validate_state, with_every_rank
 
-__all__ = ["Readings"]
+__all__ = ["Readings", "add_every_rank"]
+
+
+def add_every_rank(state: dict[str, Any], run: Run, source: Source | None) -> None:
+    """Every rank's generator states (and, where the source keeps one, its position) into ``state``: a collective,
+    to be called on every rank at once."""
+    keeps = source is not None and source.keeps_position
+    position = source.position() if source is not None and keeps else None
+    pieces = gather_objects((run.generators_to_save(), position))  # one gather, every rank's pieces
+    with_every_rank(state, [rng for rng, _ in pieces], [p for _, p in pieces] if keeps else None)
 
 
 class Readings(Callback):
@@ -129,10 +139,7 @@ class Readings(Callback):
             # every rank's: a collective, on all ranks as Lightning's own saving is (it ends in a barrier). The fit's
             # source, or the last fit's (`trainer.save_checkpoint` after `fit`): where each rank's resumes
             source = self._session.source if self._session is not None else self._carried.source
-            keeps = source is not None and source.keeps_position
-            position = source.position() if source is not None and keeps else None
-            pieces = gather_objects((run.generators_to_save(), position))  # one gather, every rank's pieces
-            with_every_rank(state, [rng for rng, _ in pieces], [p for _, p in pieces] if keeps else None)
+            add_every_rank(state, run, source)
 
     @override
     def on_load_checkpoint(

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import csv
 import doctest
-import importlib.util
 import math
-import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -19,14 +17,9 @@ from lightning_simigrad import Elastic
 from lightning_simigrad.core.world import ResizeTrigger, WorldRule
 from lightning_simigrad_recipes.train import train
 from tests.recipes.test_recipes import compose_cfg
+from tests.support.helpers import benchmark_module
 
-REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "benchmarks" / "elastic_cost.py"
-spec = importlib.util.spec_from_file_location("elastic_cost", SCRIPT)
-assert spec is not None and spec.loader is not None
-elastic_cost = importlib.util.module_from_spec(spec)
-sys.modules["elastic_cost"] = elastic_cost
-spec.loader.exec_module(elastic_cost)
+elastic_cost = benchmark_module("elastic_cost")
 
 # a device whose micro-batches all pay a fixed overhead, with a gradient worth exchanging
 DEVICE = elastic_cost.Device(

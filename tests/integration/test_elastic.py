@@ -16,22 +16,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from lightning_simigrad import Elastic, ResizeRequest, SimiGrad
-from tests.support.helpers import IndexedRegression, Regressor, trainer
+from tests.support.helpers import IndexedRegression, Regressor, StepSamples, trainer
 
 N = 600
-
-
-class StepSamples(pl.Callback):
-    """The samples every optimizer step averaged."""
-
-    def __init__(self) -> None:
-        self.steps: list[list[int]] = []
-        self._consumed = 0
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        micro = pl_module.micro_batches[self._consumed :]
-        self._consumed = len(pl_module.micro_batches)
-        self.steps.append(sorted(i for m in micro for i in m))
 
 
 class SigtermInsideWindow(pl.Callback):

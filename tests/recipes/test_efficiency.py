@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import csv
-import importlib.util
 import math
 import os
 import subprocess
@@ -12,13 +11,11 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "benchmarks" / "efficiency.py"
-spec = importlib.util.spec_from_file_location("efficiency", SCRIPT)
-assert spec is not None and spec.loader is not None
-efficiency = importlib.util.module_from_spec(spec)
-sys.modules["efficiency"] = efficiency
-spec.loader.exec_module(efficiency)
+from tests.support.helpers import benchmark_module
+
+efficiency = benchmark_module("efficiency")
+SCRIPT = Path(efficiency.__file__)
+REPO = SCRIPT.parents[1]
 
 
 def row(method: str, batch: int, lr_mult: float, seed: int, metric: float, steps: int, target=None, variant=""):

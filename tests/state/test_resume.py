@@ -19,22 +19,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, WeightedRandomSampler
 
 from lightning_simigrad import SimiGrad
-from tests.support.helpers import IndexedRegression, Regressor, trainer
+from tests.support.helpers import IndexedRegression, Regressor, StepSamples, trainer
 
 N = 300  # training samples: windows of 16 to 150 make epochs of 6 to 19 steps
-
-
-class StepSamples(pl.Callback):
-    """After SimiGrad: the samples every optimizer step averaged (the micro-batches since the previous step)."""
-
-    def __init__(self) -> None:
-        self.steps: list[list[int]] = []
-        self._consumed = 0
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        micro = pl_module.micro_batches[self._consumed :]
-        self._consumed = len(pl_module.micro_batches)
-        self.steps.append(sorted(i for m in micro for i in m))
 
 
 class SaveInsideWindow(pl.Callback):

@@ -147,3 +147,32 @@ class LinearLoss(pl.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.0)  # the gradients do not depend on w anyway
+
+
+def benchmark_module(name: str):
+    """``benchmarks/<name>.py`` imported as the module ``name`` (the benchmarks are scripts, not a package)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, script)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+class StepSamples(pl.Callback):
+    """After SimiGrad: the samples every optimizer step averaged (the micro-batches since the previous step), read
+    from a module that records them (``Regressor.micro_batches``)."""
+
+    def __init__(self) -> None:
+        self.steps: list[list[int]] = []
+        self._consumed = 0
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        micro = pl_module.micro_batches[self._consumed :]
+        self._consumed = len(pl_module.micro_batches)
+        self.steps.append(sorted(i for m in micro for i in m))
