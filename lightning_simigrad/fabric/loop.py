@@ -95,6 +95,15 @@ class FabricSimiGrad:
                 "`FabricSimiGrad.setup`: give the DataLoader a `batch_size` (the most samples a micro-batch takes"
                 " unless `max_micro_batch_size` says otherwise), not a `batch_sampler`."
             )
+        owned = {id(p) for p in model.parameters()}
+        stale = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in owned]
+        if stale:  # the optimizer would step (and zero) parameters the model no longer trains
+            raise ValueError(
+                f"`FabricSimiGrad.setup`: {len(stale)} of the optimizer's parameters are not the model's. A strategy that"
+                " shards the model (FSDP2's `ModelParallelStrategy`) replaces its parameters: set the model up first,"
+                " then make the optimizer over `model.parameters()` (`model = fabric.setup_module(model)`;"
+                " `optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))`)."
+            )
         self._model, self._loader = model, loader
         self.lr.detach()
         self.lr.attach(getattr(optimizer, "optimizer", optimizer))  # Fabric's wrapper steps the optimizer it holds

@@ -160,3 +160,15 @@ def test_the_batch_settles_at_b_star_on_the_known_noise_problem(world, master_po
     sizes = fabric.launch(settle)
     settled = statistics.median(sizes[-60:])
     assert abs(settled - expected) <= 0.15 * expected, (settled, expected)
+
+
+def test_an_optimizer_over_parameters_the_model_no_longer_has_is_refused():
+    fabric = Fabric(accelerator="cpu", devices=1)
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = fabric.setup(model, optimizer)
+    stale = torch.optim.SGD(Net().parameters(), lr=0.1)
+    simigrad = FabricSimiGrad(fabric, target_similarity=0.5)
+    with pytest.raises(ValueError, match="4 of the optimizer.s parameters are not the model.s.*setup_module"):
+        simigrad.setup(model, stale, DataLoader(IndexedRegression(20), batch_size=4))
+    simigrad.setup(model, optimizer, DataLoader(IndexedRegression(20), batch_size=4))  # its own: accepted
