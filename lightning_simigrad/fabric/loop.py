@@ -99,9 +99,9 @@ class FabricSimiGrad:
         stale = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in owned]
         if stale:  # the optimizer would step (and zero) parameters the model no longer trains
             raise ValueError(
-                f"`FabricSimiGrad.setup`: {len(stale)} of the optimizer's parameters are not the model's. A strategy that"
-                " shards the model (FSDP2's `ModelParallelStrategy`) replaces its parameters: set the model up first,"
-                " then make the optimizer over `model.parameters()` (`model = fabric.setup_module(model)`;"
+                f"`FabricSimiGrad.setup`: {len(stale)} of the optimizer's parameters are not the model's. A strategy"
+                " that shards the model (FSDP2's `ModelParallelStrategy`) replaces its parameters: set the model up"
+                " first, then make the optimizer over `model.parameters()` (`model = fabric.setup_module(model)`;"
                 " `optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))`)."
             )
         self._model, self._loader = model, loader
