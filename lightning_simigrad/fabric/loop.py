@@ -68,8 +68,33 @@ class FabricSimiGrad:
     """
 
     def __init__(self, fabric: Fabric, target_similarity: float, **arguments: Any) -> None:
+        self._begin(fabric, Settings(target_similarity, **arguments))
+
+    @classmethod
+    def following(cls, fabric: Fabric, schedule: Any) -> FabricSimiGrad:
+        """A fixed schedule or a replay in a Fabric loop, as the Trainer takes a :class:`BatchSizeSchedule`:
+        ``FabricSimiGrad.following(fabric, BatchSizeSchedule(linear_ramp(...), max_micro_batch_size=8))``, or
+        ``BatchSizeSchedule.from_history(...)`` / ``from_trace(...)``. The loop is the same; the schedule decides
+        each window's size, and the halves are measured and logged without acting on them.
+
+        Raises:
+            TypeError: when ``schedule`` is not a :class:`~lightning_simigrad.BatchSizeSchedule`.
+        """
+        from lightning_simigrad.batch_size_schedule import BatchSizeSchedule
+
+        if not isinstance(schedule, BatchSizeSchedule):
+            raise TypeError(
+                f"`FabricSimiGrad.following(fabric, schedule)`: `schedule` must be a `BatchSizeSchedule`, got"
+                f" {type(schedule).__name__}. Build it as for the Trainer: `BatchSizeSchedule(linear_ramp(start=64,"
+                " end=1024, over=100_000), max_micro_batch_size=32)` or `BatchSizeSchedule.from_trace(path)`."
+            )
+        loop = cls.__new__(cls)
+        cls._begin(loop, fabric, schedule.settings)
+        return loop
+
+    def _begin(self, fabric: Fabric, settings: Settings) -> None:
         self.fabric = fabric
-        self.settings = Settings(target_similarity, **arguments)
+        self.settings = settings
         self.reporting = Reporting(self.settings.history_size)
         self.lr = StepLRScaler()
         self.run: Run | None = None

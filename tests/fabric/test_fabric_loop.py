@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import copy
 import statistics
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -43,9 +45,49 @@ def gather(values: list[int]) -> list[int]:
     return [i for rank in every for i in rank]
 
 
+def grad_error(model: nn.Module, reference: nn.Module) -> float:
+    """|g - g_ref| / |g_ref| over every parameter's gradient."""
+    g = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    r = torch.cat([p.grad.reshape(-1) for p in reference.parameters()])
+    return float((g - r).norm() / r.norm())
+
+
+def train(
+    fabric: Fabric,
+    simigrad: FabricSimiGrad,
+    model: Any,
+    optimizer: Any,
+    dataset: IndexedRegression,
+    max_epochs: int,
+    audit: bool = True,
+    after_step: Callable[[], None] | None = None,
+) -> tuple[list[list[int]], list[float]]:
+    """The loop of docs/fabric.md, with an audit of every step: the samples every rank fed, and (``audit``) the
+    gradient against the mean loss's over exactly those samples (dropout off for the reference: the audit runs the
+    model in eval)."""
+    steps, errors = [], []
+    for window in simigrad.windows(max_epochs=max_epochs):
+        fed: list[int] = []
+        for idx, x, y in window:
+            with fabric.no_backward_sync(model, enabled=window.accumulating):
+                fabric.backward(window.scale(mean_loss(model, x, y)))
+            fed += idx.tolist()
+        window.finish()
+        every = gather(fed)
+        if audit:  # the reference gradient at the same parameters
+            reference = copy.deepcopy(model.module if hasattr(model, "module") else model)
+            reference.zero_grad()
+            mean_loss(reference, dataset.x[every], dataset.y[every]).backward()
+            errors.append(grad_error(model, reference))
+        steps.append(sorted(every))
+        window.step(optimizer)
+        optimizer.zero_grad()
+        if after_step is not None:
+            after_step()
+    return steps, errors
+
+
 def fit(fabric: Fabric, max_epochs: int, save_at: int | None, path: str | None, load: str | None) -> dict:
-    """The loop of docs/fabric.md, with an audit of every step: the samples every rank fed, and the gradient against
-    the mean loss's over exactly those samples (dropout off for the reference: the audit runs the model in eval)."""
     fabric.seed_everything(0)
     dataset = IndexedRegression(N)
     model = Net(dropout=0.0 if save_at is None and load is None else 0.2)
@@ -56,27 +98,13 @@ def fit(fabric: Fabric, max_epochs: int, save_at: int | None, path: str | None, 
     state = {"model": model, "optimizer": optimizer, "simigrad": simigrad}
     if load is not None:
         fabric.load(load, state)
-    steps, errors = [], []
-    for window in simigrad.windows(max_epochs=max_epochs):
-        fed: list[int] = []
-        for idx, x, y in window:
-            with fabric.no_backward_sync(model, enabled=window.accumulating):
-                fabric.backward(window.scale(mean_loss(model, x, y)))
-            fed += idx.tolist()
-        window.finish()
-        every = gather(fed)
-        if save_at is None and load is None:  # the audit: the reference gradient at the same parameters
-            reference = copy.deepcopy(model.module if hasattr(model, "module") else model)
-            reference.zero_grad()
-            mean_loss(reference, dataset.x[every], dataset.y[every]).backward()
-            g = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-            r = torch.cat([p.grad.reshape(-1) for p in reference.parameters()])
-            errors.append(float((g - r).norm() / r.norm()))
-        steps.append(sorted(every))
-        window.step(optimizer)
-        optimizer.zero_grad()
+
+    def save() -> None:
         if save_at is not None and len(simigrad.history) == save_at:
             fabric.save(path, state)
+
+    audit = save_at is None and load is None
+    steps, errors = train(fabric, simigrad, model, optimizer, dataset, max_epochs, audit, save)
     # plain lists: tensors would travel back from a spawned process through shared memory it takes with it
     weights = {k: v.detach().reshape(-1).tolist() for k, v in model.state_dict().items()}
     leave_together()
