@@ -574,46 +574,55 @@ FIT_PRECISIONS = ("16-mixed", "bf16-mixed")
 
 def check_lightning_ddp(device: str, world: int, quick: bool, deadline_s: float = 240.0) -> list[Row]:
     """A Lightning ``strategy="ddp"`` fit through SimiGrad per precision, in a script of its own."""
-    rows = []
+    return [_lightning_fit_row(device, world, quick, "ddp", precision, deadline_s) for precision in FIT_PRECISIONS]
+
+
+def check_lightning_deepspeed(device: str, world: int, quick: bool, deadline_s: float = 300.0) -> list[Row]:
+    """A Lightning ``DeepSpeedStrategy`` fit through SimiGrad at ZeRO stages 1 and 2 (fp32, what is served)."""
+    stages = ("deepspeed_stage_1", "deepspeed_stage_2")
+    return [_lightning_fit_row(device, world, quick, stage, "32-true", deadline_s) for stage in stages]
+
+
+def deepspeed_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("deepspeed") is not None
+
+
+def _lightning_fit_row(device: str, world: int, quick: bool, strategy: str, precision: str, deadline_s: float) -> Row:
+    """``gpu_check_fit.py`` run once: every rank's steps finite and alike."""
     script = Path(__file__).resolve().parent / "gpu_check_fit.py"
-    for precision in FIT_PRECISIONS:
-        check = f"Lightning strategy='ddp', {world} {device} processes, {precision}: finite, identical on every rank"
-        with tempfile.TemporaryDirectory() as folder:
-            out = os.path.join(folder, "result.json")
-            command = [sys.executable, str(script), "--accelerator", "gpu" if device == "cuda" else "cpu"]
-            command += ["--devices", str(world), "--precision", precision, "--steps", "6" if quick else "20"]
-            try:
-                # where rank 0 hosts the group's store (Lightning would take a port it bound and released)
-                env = os.environ | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(reserve_port())}
-                done = subprocess.run(
-                    command + ["--out", out], env=env, capture_output=True, text=True, timeout=deadline_s
-                )
-            except subprocess.TimeoutExpired:
-                rows.append(Row(check, "FAIL", f"the fit did not finish within {deadline_s:.0f} s (a hang)"))
-                continue
-            ranks = []
-            for rank in range(world):
-                with contextlib.suppress(OSError, ValueError), open(f"{out}.{rank}") as f:
-                    ranks.append(json.load(f))
-        if done.returncode != 0 or len(ranks) != world:
-            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or [""]
-            rows.append(Row(check, "FAIL", f"exit code {done.returncode}, {len(ranks)} of {world} ranks: {tail[0]}"))
-            continue
-        first = ranks[0]
-        same = all(r["similarities"] == first["similarities"] and r["parameters"] == first["parameters"] for r in ranks)
-        similarities = first["similarities"]
-        finite = sum(1 for v in similarities if v == v)
-        # a step may go unmeasured (a GradScaler's skipped step, an epoch's short last window); most must measure
-        ok = same and first["steps"] > 0 and finite >= max(1, len(similarities) - 2)
-        rows.append(
-            Row(
-                check,
-                "PASS" if ok else "FAIL",
-                f"{first['steps']} steps, {finite} measured, batch {min(first['batch_sizes'])}.."
-                f"{max(first['batch_sizes'])}, ranks {'identical' if same else 'DIFFER'}",
-            )
-        )
-    return rows
+    check = f"Lightning strategy='{strategy}', {world} {device} processes, {precision}: finite, identical on every rank"
+    with tempfile.TemporaryDirectory() as folder:
+        out = os.path.join(folder, "result.json")
+        command = [sys.executable, str(script), "--accelerator", "gpu" if device == "cuda" else "cpu"]
+        command += ["--devices", str(world), "--precision", precision, "--steps", "6" if quick else "20"]
+        command += ["--strategy", strategy]
+        try:
+            # where rank 0 hosts the group's store (Lightning would take a port it bound and released)
+            env = os.environ | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(reserve_port())}
+            done = subprocess.run(command + ["--out", out], env=env, capture_output=True, text=True, timeout=deadline_s)
+        except subprocess.TimeoutExpired:
+            return Row(check, "FAIL", f"the fit did not finish within {deadline_s:.0f} s (a hang)")
+        ranks = []
+        for rank in range(world):
+            with contextlib.suppress(OSError, ValueError), open(f"{out}.{rank}") as f:
+                ranks.append(json.load(f))
+    if done.returncode != 0 or len(ranks) != world:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or [""]
+        return Row(check, "FAIL", f"exit code {done.returncode}, {len(ranks)} of {world} ranks: {tail[0]}")
+    first = ranks[0]
+    same = all(r["similarities"] == first["similarities"] and r["parameters"] == first["parameters"] for r in ranks)
+    similarities = first["similarities"]
+    finite = sum(1 for v in similarities if v == v)
+    # a step may go unmeasured (a GradScaler's skipped step, an epoch's short last window); most must measure
+    ok = same and first["steps"] > 0 and finite >= max(1, len(similarities) - 2)
+    return Row(
+        check,
+        "PASS" if ok else "FAIL",
+        f"{first['steps']} steps, {finite} measured, batch {min(first['batch_sizes'])}.."
+        f"{max(first['batch_sizes'])}, ranks {'identical' if same else 'DIFFER'}",
+    )
 
 
 # ----------------------------------------------------------------------------------- Lightning's FSDP2 and FSDP1
@@ -808,6 +817,9 @@ def check_fsdp(device: str, world: int, quick: bool, version: int = 2, deadline_
 def skipped_rows(device: str, world: int) -> list[Row]:
     """A row for every property this machine cannot check, and why."""
     rows = []
+    if not deepspeed_installed():
+        why = "DeepSpeed is not installed (pip install --no-build-isolation 'deepspeed>=0.19,<0.20')"
+        rows.append(Row("Lightning DeepSpeedStrategy, ZeRO stages 1 and 2", "SKIPPED", why))
     if device != "cuda":
         why = "needs CUDA; this run is on CPU"
         rows.append(Row("measurement stream, CUDA futures, record_stream, NCCL stream order", "SKIPPED", why))
@@ -856,6 +868,7 @@ def run(device: str, quick: bool, world: int) -> list[Row]:
         rows += check_lightning_ddp(device, world, quick)
         rows += check_fsdp(device, world, quick)
         rows += check_fsdp(device, world, quick, version=1)
+        rows += check_lightning_deepspeed(device, world, quick) if deepspeed_installed() else []
     elif device == "cuda":
         rows += check_ddp(device, 2, quick, one_device=True)
     return rows + skipped_rows(device, world)

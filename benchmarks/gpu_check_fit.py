@@ -1,6 +1,8 @@
-"""One Lightning ``strategy="ddp"`` fit through ``SimiGrad``, for ``benchmarks/gpu_check.py``.
+"""One Lightning ``strategy="ddp"`` (or DeepSpeed) fit through ``SimiGrad``, for ``benchmarks/gpu_check.py``.
 
     python benchmarks/gpu_check_fit.py --accelerator gpu --devices 2 --precision 16-mixed --out result.json
+    python benchmarks/gpu_check_fit.py --accelerator gpu --devices 2 --strategy deepspeed_stage_2 --precision 32-true \
+        --out result.json
 
 Lightning's ``ddp`` launcher starts the other ranks by running this script again, so it is a script of its
 own (``gpu_check.py`` would start its whole check again in every rank). Lightning builds the DDP model under
@@ -40,11 +42,30 @@ class Module(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
 
 
+def strategy_of(name: str, accelerator: str) -> Any:
+    if not name.startswith("deepspeed"):
+        return name
+    stage = int(name[-1])
+    if accelerator == "cpu":  # Lightning refuses DeepSpeed on a CPU accelerator; the testing strategy serves it
+        from lightning_simigrad.testing import CPUDeepSpeedStrategy
+
+        return CPUDeepSpeedStrategy(stage=stage, process_group_backend="gloo")
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    return DeepSpeedStrategy(stage=stage)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--accelerator", default="gpu")
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--precision", default="16-mixed")
+    parser.add_argument(
+        "--strategy",
+        default="ddp",
+        choices=["ddp", "deepspeed_stage_1", "deepspeed_stage_2"],
+        help="DeepSpeed's ZeRO stages through Lightning's DeepSpeedStrategy (on CPU: testing.CPUDeepSpeedStrategy)",
+    )
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
@@ -56,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     trainer = pl.Trainer(
         accelerator=args.accelerator,
         devices=args.devices,
-        strategy="ddp",
+        strategy=strategy_of(args.strategy, args.accelerator),
         precision=args.precision,
         max_steps=args.steps,
         callbacks=[simigrad],

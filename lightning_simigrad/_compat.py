@@ -26,12 +26,16 @@ __all__ = [
     "CHECKED_TORCH",
     "PRIVATE_MEMBERS",
     "Private",
+    "DEEPSPEED_MEMBERS",
     "check",
+    "check_deepspeed",
     "foreach_add_",
     "foreach_copy",
     "foreach_mul_",
     "foreach_sub",
     "foreach_norm",
+    "zero_clear_gradients",
+    "zero_partitions",
 ]
 
 CHECKED_LIGHTNING = "2.6"  # the minor version every member below was read in (pyproject pins it)
@@ -74,6 +78,8 @@ PRIVATE_MEMBERS: tuple[Private, ...] = (
     Private("TQDMProgressBar", "_train_progress_bar", "the epoch's micro-batch total"),
     # the reference harness (testing.py): FSDP1 on CPU, which Lightning gives no device id
     Private("FSDPStrategy", "_setup_model", "testing.CPUFSDPStrategy wraps the model with the CPU device"),
+    Private("DeepSpeedStrategy", "_init_deepspeed_distributed", "testing.CPUDeepSpeedStrategy joins the group"),
+    Private("DeepSpeedStrategy", "_setup_model_and_optimizer", "testing.CPUDeepSpeedStrategy names the CPU rank"),
     # torch (measurement/, data/)
     Private("DistributedDataParallel", "_comm_hooks", "finds a communication hook already registered", "torch"),
     Private("DistributedDataParallel", "_get_ddp_logging_data", "finds a built-in communication hook", "torch"),
@@ -93,7 +99,7 @@ def _owners() -> dict[str, Any]:
     from lightning.pytorch.loops.fit_loop import _FitLoop
     from lightning.pytorch.loops.optimization.automatic import _AutomaticOptimization
     from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
-    from lightning.pytorch.strategies import FSDPStrategy
+    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
     from lightning.pytorch.trainer import call
     from lightning.pytorch.trainer.connectors import data_connector
     from torch.nn.parallel import DistributedDataParallel
@@ -110,6 +116,7 @@ def _owners() -> dict[str, Any]:
         "BatchSizeFinder": BatchSizeFinder,
         "TQDMProgressBar": TQDMProgressBar,
         "FSDPStrategy": FSDPStrategy,
+        "DeepSpeedStrategy": DeepSpeedStrategy,
         "DistributedDataParallel": DistributedDataParallel,
         "GradScaler": torch.amp.GradScaler,
         "RandomSampler": RandomSampler,
@@ -221,3 +228,64 @@ def comm_hook_name(ddp_model: Any) -> str | None:
 def forget_last_comm_hook(ddp_model: Any) -> None:
     """Undo the record of a hook DDP appended before its reducer refused it."""
     ddp_model._comm_hooks.pop()
+
+
+# DeepSpeed ZeRO stages 1 and 2 (measurement/zero_partitions.py): members of its ZeRO optimizer, read in these minor
+# versions; another DeepSpeed is refused when the measurement attaches
+CHECKED_DEEPSPEED = ("0.19",)
+INSTALL_DEEPSPEED = "deepspeed>=0.19,<0.20"
+DEEPSPEED_MEMBERS: tuple[Private, ...] = (
+    Private(
+        "DeepSpeedZeroOptimizer", "averaged_gradients", "this rank's partition of the reduced gradient", "deepspeed"
+    ),
+    Private("DeepSpeedZeroOptimizer", "all_grad_tensors", "cleared after the midpoint, as a skipped step", "deepspeed"),
+    Private("DeepSpeedZeroOptimizer", "micro_step_id", "reset after the midpoint, as a step does", "deepspeed"),
+    Private(
+        "DeepSpeedZeroOptimizer",
+        "_release_preflattened_grad_buffers",
+        "releases the midpoint's partition buffers, as a skipped step does",
+        "deepspeed",
+    ),
+)
+
+
+def check_deepspeed(engine: Any) -> None:
+    """Raise a clear error if this DeepSpeed is not one whose ZeRO optimizer SimiGrad was checked against."""
+    import deepspeed
+
+    version = deepspeed.__version__
+    zero = getattr(engine, "optimizer", None)
+    absent = [m for m in DEEPSPEED_MEMBERS if zero is None or not hasattr(zero, m.name)]
+    if not version.startswith(tuple(f"{v}." for v in CHECKED_DEEPSPEED)) or absent:
+        names = ", ".join(f"`{m.owner}.{m.name}` ({m.used_for})" for m in absent) or "none missing"
+        raise RuntimeError(
+            f"SimiGrad measures DeepSpeed's ZeRO stages 1 and 2 through members of its ZeRO optimizer read in"
+            f" DeepSpeed {', '.join(CHECKED_DEEPSPEED)}; this is deepspeed {version} ({names}). Install"
+            f" `{INSTALL_DEEPSPEED}`."
+        )
+
+
+def zero_partitions(zero: Any) -> list[Sequence[torch.Tensor]]:
+    """This rank's partition of the reduced gradient, per param group, as DeepSpeed's ZeRO optimizer lays it out
+    for the step (set after a backward at an accumulation boundary)."""
+    partitions: list[Sequence[torch.Tensor]] = []
+    for group in sorted(zero.averaged_gradients):
+        tensors = zero.averaged_gradients[group]
+        if not isinstance(tensors, list):
+            raise RuntimeError(
+                f"DeepSpeed's ZeRO optimizer holds param group {group}'s gradient partition as"
+                f" {type(tensors).__name__}, not the list of tensors SimiGrad reads (fp32 ZeRO stages 1 and 2 without"
+                " offload)"
+            )
+        partitions.append(tensors)
+    return partitions
+
+
+def zero_clear_gradients(zero: Any) -> None:
+    """Clear the ZeRO optimizer's gradient state without a step, as DeepSpeed does for a step it skips."""
+    zero.zero_grad(set_to_none=True)
+    zero._release_preflattened_grad_buffers()
+    for group in list(zero.averaged_gradients):
+        zero.averaged_gradients[group] = None
+        zero.all_grad_tensors[group] = None
+    zero.micro_step_id = -1  # DeepSpeed's INITIAL_MICRO_STEP_ID, as its step sets it

@@ -28,13 +28,14 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 __all__ = [
     "AuditedStep",
+    "CPUDeepSpeedStrategy",
     "CPUFSDPStrategy",
     "HostSyncs",
     "StepAudit",
@@ -90,6 +91,7 @@ class StepAudit(pl.Callback):
         self.indices, self.mean_loss = indices, mean_loss
         self.steps: list[AuditedStep] = []
         self._pending: list[int] = []  # the micro-batch started, until its backward has run
+        self._last = True  # the micro-batch started is its window's last (DeepSpeed calls the step hook every one)
         self._micro: list[int] = []  # this process's micro-batches of the window so far, by their samples
         self._fed: tuple[list[int], list[int]] = ([], [])  # this rank's samples of the window, by half in time
         self._unsharded: pl.LightningModule | None = None  # under FSDP2: the module as it was before it was sharded
@@ -107,6 +109,7 @@ class StepAudit(pl.Callback):
         padding = run is not None and run.local_samples == 0  # a zero-weight sample is no sample of the step
         self._pending = [] if padding else list(self.indices(batch))
         self._second = run is not None and run.window is not None and run.micro >= run.window.half_split()
+        self._last = run is None or run.window is None or run.micro == run.window.num_micro_batches - 1
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._fed[self._second].extend(self._pending)  # a skipped micro-batch has no backward: not a sample
@@ -117,6 +120,8 @@ class StepAudit(pl.Callback):
         self._fed, self._micro = ([], []), []  # a window abandoned at the epoch's end is dropped, as Lightning drops it
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if trainer.strategy.handles_gradient_accumulation and not self._last:
+            return  # DeepSpeed: Lightning runs this hook after every micro-batch
         world = _data_parallel_size(trainer)
         simigrad = _simigrad(trainer)
         # the halves in time (one process, FSDP2) or the rank groups (DDP); a plain fit: rank groups when distributed
@@ -124,7 +129,7 @@ class StepAudit(pl.Callback):
         in_time = getattr(measurement, "min_micro_batches", 2 if world == 1 else 1) == 2
         mine = [*self._fed[0], *self._fed[1]]
         with _fsdp1_full_parameters(trainer):
-            per_rank, grads = [mine], torch.cat([_full(g).reshape(-1) for g in _with_grad(pl_module)])
+            per_rank, grads = [mine], torch.cat([_full(g).reshape(-1) for g in _gradients(trainer, pl_module)])
             source = self._reference_module(pl_module)
         gathered, halves, alike = [grads], (list(self._fed[0]), list(self._fed[1])), True
         processes = trainer.world_size  # tensor-parallel ranks included: every one holds the full gradient too
@@ -202,6 +207,41 @@ class CPUFSDPStrategy(FSDPStrategy):
         )
 
 
+class CPUDeepSpeedStrategy(DeepSpeedStrategy):
+    """Lightning's DeepSpeed strategy on CPU processes (gloo), to check DeepSpeed's ZeRO where there is no GPU.
+
+    Lightning refuses ``DeepSpeedStrategy`` with a CPU accelerator and hands the engine the device's index, which a
+    CPU device lacks; this subclass skips the check and passes the local rank. DeepSpeed picks its CPU accelerator
+    itself where no GPU is found (``DS_ACCELERATOR=cpu`` says so outright). On GPUs use ``DeepSpeedStrategy``.
+    """
+
+    def setup_environment(self) -> None:
+        DDPStrategy.setup_environment(self)  # DeepSpeedStrategy's own refuses a CPU accelerator
+
+    def setup_distributed(self) -> None:  # as DeepSpeedStrategy's, without its check of GPU indices
+        from lightning.fabric.utilities.seed import reset_seed
+
+        reset_seed()
+        self.set_world_ranks()
+        self._init_deepspeed_distributed()  # lightning_simigrad._compat lists it
+
+    def _setup_model_and_optimizer(self, model: nn.Module, optimizer: Any, lr_scheduler: Any = None) -> Any:
+        import argparse
+
+        import deepspeed
+
+        engine, deepspeed_optimizer, _, _ = deepspeed.initialize(
+            args=argparse.Namespace(device_rank=self.local_rank),
+            config=self.config,
+            model=model,
+            model_parameters=[p for p in model.parameters() if p.requires_grad],
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            dist_init_required=False,
+        )
+        return engine, deepspeed_optimizer
+
+
 def _fsdp1_full_parameters(trainer: pl.Trainer) -> contextlib.AbstractContextManager[Any]:
     """Under FSDP1: the full parameters and gradients for the block (a collective); elsewhere nothing."""
     if not isinstance(trainer.strategy, FSDPStrategy):
@@ -220,6 +260,17 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 
 def _with_grad(module: nn.Module) -> list[torch.Tensor]:
     return [p.grad for p in module.parameters() if p.grad is not None]
+
+
+def _gradients(trainer: pl.Trainer, module: nn.Module) -> list[torch.Tensor]:
+    """The gradient the optimizer is about to step with, per parameter. Under DeepSpeed's ZeRO it is not in
+    ``p.grad`` but in the optimizer's partitions: ``safe_get_full_grad`` assembles it (a collective, in float32)."""
+    if not isinstance(trainer.strategy, DeepSpeedStrategy):
+        return _with_grad(module)
+    from deepspeed.utils import safe_get_full_grad
+
+    full = [safe_get_full_grad(p) for p in module.parameters()]
+    return [g.to(p.dtype) for g, p in zip(full, module.parameters()) if g is not None]
 
 
 def _data_parallel_size(trainer: pl.Trainer) -> int:

@@ -14,6 +14,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import BatchSizeFinder, GradientAccumulationScheduler
 from lightning.pytorch.strategies import (
     DDPStrategy,
+    DeepSpeedStrategy,
     FSDPStrategy,
     ModelParallelStrategy,
     SingleDeviceStrategy,
@@ -25,10 +26,18 @@ from torch.utils.data import DataLoader, IterableDataset
 from lightning_simigrad.core.units import Unit
 from lightning_simigrad.measurement.sharding import refuse_unserved_fsdp1
 
-__all__ = ["check_dataloader", "refuse_weights_over_a_stream", "refuse_several_optimizers", "refuse_unsupported"]
+__all__ = [
+    "check_dataloader",
+    "refuse_several_optimizers",
+    "refuse_unserved_deepspeed",
+    "refuse_unsupported",
+    "refuse_weights_over_a_stream",
+]
 
 
-def refuse_unsupported(trainer: pl.Trainer, pl_module: pl.LightningModule, max_micro_batch_size: int | None) -> None:
+def refuse_unsupported(
+    trainer: pl.Trainer, pl_module: pl.LightningModule, max_micro_batch_size: int | None, loss_items: bool = False
+) -> None:
     if not pl_module.automatic_optimization:
         raise RuntimeError(
             "SimiGrad drives Lightning's automatic optimization (accumulation windows and the optimizer step);"
@@ -36,11 +45,13 @@ def refuse_unsupported(trainer: pl.Trainer, pl_module: pl.LightningModule, max_m
         )
     strategy: Strategy = trainer.strategy
     served = (SingleDeviceStrategy, DDPStrategy, ModelParallelStrategy, FSDPStrategy)
-    if not isinstance(strategy, served) or strategy.handles_gradient_accumulation:
+    if isinstance(strategy, DeepSpeedStrategy):
+        refuse_unserved_deepspeed(strategy, trainer, loss_items)
+    elif not isinstance(strategy, served) or strategy.handles_gradient_accumulation:
         raise RuntimeError(
-            f"SimiGrad supports a single device, DDP (`strategy='ddp'`, 'ddp_spawn', ...), FSDP1 (`strategy='fsdp'`)"
-            f" and FSDP2 through `ModelParallelStrategy`; the Trainer uses `{type(strategy).__name__}`. DeepSpeed"
-            " accumulates gradients itself, where the half-batch gradients cannot be measured. Use one of those."
+            f"SimiGrad supports a single device, DDP (`strategy='ddp'`, 'ddp_spawn', ...), FSDP1 (`strategy='fsdp'`),"
+            f" FSDP2 through `ModelParallelStrategy` and DeepSpeed's ZeRO stages 1 and 2 (`DeepSpeedStrategy`); the"
+            f" Trainer uses `{type(strategy).__name__}`. Use one of those."
         )
     if isinstance(strategy, FSDPStrategy):
         refuse_unserved_fsdp1(strategy.sharding_strategy.name, strategy.cpu_offload, "`FSDPStrategy`")
@@ -61,6 +72,49 @@ def refuse_unsupported(trainer: pl.Trainer, pl_module: pl.LightningModule, max_m
                 f" `max_micro_batch_size`; this SimiGrad fixes `max_micro_batch_size={max_micro_batch_size}`."
                 " Remove one of the two."
             )
+
+
+def refuse_unserved_deepspeed(strategy: DeepSpeedStrategy, trainer: pl.Trainer, loss_items: bool = False) -> None:
+    """DeepSpeed is served at ZeRO stages 1 and 2 in fp32, without offload, with the engine's accumulation left to
+    SimiGrad's windows (measurement/zero_partitions.py reads the partitions as that configuration lays them out)."""
+    config = strategy.config or {}
+    zero = config.get("zero_optimization", {}) or {}
+    stage = zero.get("stage", 0)
+    if stage not in (1, 2):
+        raise RuntimeError(
+            f"SimiGrad measures DeepSpeed at ZeRO stages 1 and 2; this `DeepSpeedStrategy` runs stage {stage}."
+            " At stage 0 the engine reduces the whole gradient at the boundary only and keeps no partition; at stage 3"
+            " the parameters are partitioned too and no rank holds the window's first half to set aside. Use"
+            " `DeepSpeedStrategy(stage=2)` (or 1)."
+        )
+    offloaded = [key for key in ("offload_optimizer", "offload_param") if zero.get(key)]
+    if offloaded:
+        raise RuntimeError(
+            f"SimiGrad does not measure DeepSpeed with `{offloaded[0]}`: the gradient partitions then live in CPU"
+            " buffers it does not read. Leave offloading out."
+        )
+    halves = [f"`{key}` in its config" for key in ("fp16", "bf16") if (config.get(key) or {}).get("enabled")]
+    if str(trainer.precision) not in ("32-true", "32"):
+        halves.append(f"`Trainer(precision={trainer.precision!r})`")
+    if halves:
+        raise RuntimeError(
+            f"SimiGrad measures DeepSpeed in full precision so far; this fit asks for {halves[0]} (DeepSpeed then keeps"
+            " the gradient partitions in another layout, and fp16 scales the loss). Use `precision='32-true'`."
+        )
+    if loss_items:
+        raise RuntimeError(
+            "`loss_items` with DeepSpeed is not served yet: a step's item mean is made by rescaling the gradient before"
+            " the optimizer steps, and under DeepSpeed the gradient lives in the ZeRO optimizer's partitions, which"
+            " that rescaling does not reach yet. Leave `loss_items` out (the step is then the mean over its samples),"
+            " or train under DDP or FSDP."
+        )
+    if trainer.accumulate_grad_batches != 1:
+        raise RuntimeError(
+            f"`Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches!r})` with DeepSpeed: Lightning makes it"
+            " DeepSpeed's `gradient_accumulation_steps`, by which the engine divides every micro-batch's gradient,"
+            " while SimiGrad sets every window's accumulation and weighs its losses itself. Leave"
+            " `accumulate_grad_batches` at 1 (bound a micro-batch's memory with `max_micro_batch_size`)."
+        )
 
 
 def refuse_several_optimizers(trainer: pl.Trainer) -> None:

@@ -77,7 +77,9 @@ class FitSession:
         carried: Carried,
     ) -> None:
         _compat.check(trainer)
-        refusals.refuse_unsupported(trainer, pl_module, settings.max_micro_batch_size)
+        refusals.refuse_unsupported(
+            trainer, pl_module, settings.max_micro_batch_size, loss_items=settings.loss_items is not None
+        )
         self.settings, self.reporting, self.trainer = settings, reporting, trainer
         neighbours.run_before_other_callbacks(trainer, callback)
         # the shuffling seed comes from torch's RNG (so `seed_everything` governs it) and rank 0's wins
@@ -182,7 +184,9 @@ class FitSession:
             self.schedules.active = True
             AdaptiveDataSource.reload(trainer)  # through our source, at the tuned batch size
         self.accumulation.attach(trainer)
-        self.lr.attach(trainer.optimizers[0])
+        optimizer = trainer.optimizers[0]
+        # DeepSpeed's ZeRO optimizer wraps the torch optimizer it steps, which the LR factor's hooks go on
+        self.lr.attach(optimizer if isinstance(optimizer, torch.optim.Optimizer) else optimizer.optimizer)
         self.monitors.attach(trainer)
         if self.settings.progress_bar:
             self.bar.attach(trainer)
@@ -214,6 +218,8 @@ class FitSession:
         self.run.after_backward(list(pl_module.parameters()))
 
     def before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.strategy.handles_gradient_accumulation and not self.accumulation.window_end:
+            return  # DeepSpeed: Lightning runs this hook after every micro-batch; the engine steps at the window's end
         run = self.run
         # the backward ran under the GradScaler's scale, which its `update` changes only after the step
         scale = loss_scale_of(getattr(trainer.precision_plugin, "scaler", None))

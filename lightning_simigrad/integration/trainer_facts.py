@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 from torch.utils.data import DataLoader, SequentialSampler
 
 from lightning_simigrad.core.sample_counts import Data, Limits
@@ -89,7 +89,9 @@ def data_parallel(trainer: pl.Trainer) -> tuple[int, int]:
 def parallelism_of(trainer: pl.Trainer) -> Parallelism:
     """How the Trainer's strategy trains (the refusals have run: it is one SimiGrad serves)."""
     strategy = trainer.strategy
-    if isinstance(strategy, ModelParallelStrategy):
+    if isinstance(strategy, DeepSpeedStrategy):
+        training = Training.DEEPSPEED
+    elif isinstance(strategy, ModelParallelStrategy):
         training = Training.FSDP2
     elif isinstance(strategy, FSDPStrategy):
         training = Training.FSDP1
@@ -99,5 +101,6 @@ def parallelism_of(trainer: pl.Trainer) -> Parallelism:
 
 
 def attachment(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Attachment:
-    """The model a measurement attaches to when training starts: wrapped (DDP, FSDP1) or sharded (FSDP2) by then."""
+    """The model a measurement attaches to when training starts: wrapped (DDP, FSDP1, DeepSpeed's engine) or sharded
+    (FSDP2) by then."""
     return Attachment(trainer.strategy.model, list(pl_module.parameters()), data_parallel(trainer)[0])

@@ -10,6 +10,8 @@ FSDP1 (``FSDPStrategy``), even W       two groups of ranks, in a two-stage      
                                        reduce-scatter
 FSDP1, odd W                           in time, the gradient reduced at the midpoint     one all-gather
                                        too, the first half copied
+DeepSpeed ZeRO 1 and 2                 in time, on each rank's partition of the reduced   one all-gather
+                                       gradient, the midpoint an accumulation boundary
 =====================================  ===============================================  ===========================
 
 The integration describes the strategy as a :class:`Parallelism` (it is the only layer that knows Lightning);
@@ -37,6 +39,7 @@ class Training(enum.Enum):
     DDP = "ddp"
     FSDP1 = "fsdp1"  # FSDPStrategy: accumulates inside no_sync, reduce-scatters at the window's end
     FSDP2 = "fsdp2"  # fully_shard under ModelParallelStrategy: reduces every micro-batch
+    DEEPSPEED = "deepspeed"  # DeepSpeedStrategy at ZeRO stage 1 or 2: the engine reduces into its optimizer
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,10 @@ class Parallelism:
 def measurement_for(parallelism: Parallelism) -> Measurement:
     """The measurement of a fit trained as ``parallelism`` says (call it on every rank: some make process groups)."""
     training = parallelism.training
+    if training is Training.DEEPSPEED:
+        from lightning_simigrad.measurement.zero_partitions import ZeroPartitions
+
+        return ComposedMeasurement(ZeroPartitions(), Rows(what="DeepSpeed"), rank=_rank())
     if training is Training.FSDP2:
         return sharded_halves()
     if training is Training.FSDP1:

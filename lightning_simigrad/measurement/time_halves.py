@@ -43,7 +43,7 @@ from lightning_simigrad.measurement._dots import HalfTensors, gram_and_add_all_
 from lightning_simigrad.measurement.composed import Finished
 from lightning_simigrad.measurement.protocol import Attachment
 
-__all__ = ["CopyAside", "LocalPieces", "MoveAside", "Pieces", "TimeHalves"]
+__all__ = ["CopyAside", "InTime", "LocalPieces", "MoveAside", "Pieces", "TimeHalves"]
 
 
 class Pieces(Protocol):
@@ -178,7 +178,22 @@ class CopyAside:
         return gram_and_add_all_(firsts, seconds, (), second_only), firsts + seconds
 
 
-class TimeHalves:
+class InTime:
+    """What every measurement of the halves in time shares: a window's first ``k // 2`` micro-batches against the
+    rest, on every rank alike, and the products of the halves' shares summed over the ranks as they are."""
+
+    min_micro_batches = 2  # two halves in time
+
+    @staticmethod
+    def half_of(window: Window, index: int) -> int:
+        return int(index >= window.half_split())
+
+    @staticmethod
+    def shares(sums: tuple[float, float, float, float]) -> tuple[float, float, float]:
+        return sums[0], sums[1], sums[2]
+
+
+class TimeHalves(InTime):
     """The window's halves in time: ``k // 2`` micro-batches against the rest, on every rank alike.
 
     Args:
@@ -188,8 +203,6 @@ class TimeHalves:
         check: what :meth:`attach` checks of the wrapped model (None: nothing).
         midpoint_reduction: the last backward of the first half must reduce across ranks (FSDP1).
     """
-
-    min_micro_batches = 2  # two halves in time
 
     def __init__(
         self,
@@ -225,10 +238,6 @@ class TimeHalves:
             self.restore()
             self._first = self.aside.set_aside(params)
 
-    @staticmethod
-    def half_of(window: Window, index: int) -> int:
-        return int(index >= window.half_split())
-
     def after_backward(self, window: Window, index: int, fed: tuple[int, int], params: Sequence[Tensor]) -> None:
         if index == window.num_micro_batches - 1 and self._first:
             # the window's last backward, before a GradScaler unscales and checks the gradient: both halves are
@@ -249,10 +258,6 @@ class TimeHalves:
     def after_read(self) -> None:
         # every op that read the set-aside tensors is done: they may be freed
         self._read = []
-
-    @staticmethod
-    def shares(sums: tuple[float, float, float, float]) -> tuple[float, float, float]:
-        return sums[0], sums[1], sums[2]
 
     def abort(self) -> None:
         self.restore()

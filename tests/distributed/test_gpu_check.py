@@ -80,3 +80,14 @@ def test_a_timing_that_does_not_finish_is_missed_not_failed() -> None:
     assert [row.status for row in timing] == ["MISSED"] and "did not finish" in timing[0].figure
     assert gpu_check.exit_code(rows) == 0
     assert gpu_check.exit_code([*rows, gpu_check.Row("x", "FAIL", "")]) == 1
+
+
+@pytest.mark.timeout(400)  # beside its own deadlines
+def test_the_deepspeed_fits_run_on_cpu() -> None:
+    pytest.importorskip("deepspeed")
+    rows = gpu_check.check_lightning_deepspeed("cpu", 2, quick=True)
+    assert [row.check.split(",")[0] for row in rows] == [
+        "Lightning strategy='deepspeed_stage_1'",
+        "Lightning strategy='deepspeed_stage_2'",
+    ]
+    assert not [row for row in rows if row.status == "FAIL"], rows

@@ -66,6 +66,12 @@ def test_fsdp_steps_are_exact(version):
     passed(gpu_check.check_fsdp("cuda", WORLD, quick=True, version=version))
 
 
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(not gpu_check.deepspeed_installed(), reason="needs DeepSpeed")
+def test_lightning_deepspeed_fits_at_zero_stages_1_and_2():
+    passed(gpu_check.check_lightning_deepspeed("cuda", max(WORLD, 1), quick=True))
+
+
 @pytest.mark.timeout(300)
 def test_after_the_first_window_the_measurement_allocates_no_gradient_sized_block():
     """Steady state: a measured window asks the caching allocator for as many large blocks as plain accumulation."""

@@ -43,7 +43,7 @@ class Manual(Regressor):
 
 
 class HandlesAccumulation(SingleDeviceStrategy):
-    """Stands for DeepSpeed-like strategies that accumulate gradients themselves."""
+    """Stands for a strategy other than DeepSpeed's that accumulates gradients itself."""
 
     @property
     def handles_gradient_accumulation(self) -> bool:
@@ -75,7 +75,10 @@ def test_manual_optimization_is_refused():
 
 
 def test_a_strategy_that_accumulates_itself_is_refused():
-    fit_expecting_error("DeepSpeed accumulates", strategy=HandlesAccumulation(device=torch.device("cpu")))
+    fit_expecting_error(
+        r"DeepSpeed's ZeRO stages 1 and 2.*`HandlesAccumulation`",
+        strategy=HandlesAccumulation(device=torch.device("cpu")),
+    )
 
 
 def test_fsdp1_is_served_sharded_and_refused_replicated_or_offloaded():
