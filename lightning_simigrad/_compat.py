@@ -274,8 +274,8 @@ def zero_partitions(zero: Any) -> list[Sequence[torch.Tensor]]:
         if not isinstance(tensors, list):
             raise RuntimeError(
                 f"DeepSpeed's ZeRO optimizer holds param group {group}'s gradient partition as"
-                f" {type(tensors).__name__}, not the list of tensors SimiGrad reads (fp32 ZeRO stages 1 and 2 without"
-                " offload)"
+                f" {type(tensors).__name__}, not the list of tensors SimiGrad reads (ZeRO stages 1 and 2 in fp32 or"
+                " bf16, gradients accumulated in the parameters' dtype, without offload)"
             )
         partitions.append(tensors)
     return partitions

@@ -75,8 +75,9 @@ def refuse_unsupported(
 
 
 def refuse_unserved_deepspeed(strategy: DeepSpeedStrategy, trainer: pl.Trainer, loss_items: bool = False) -> None:
-    """DeepSpeed is served at ZeRO stages 1 and 2 in fp32, without offload, with the engine's accumulation left to
-    SimiGrad's windows (measurement/zero_partitions.py reads the partitions as that configuration lays them out)."""
+    """DeepSpeed is served at ZeRO stages 1 and 2 in fp32 and bf16, without offload, with the engine's accumulation
+    left to SimiGrad's windows (measurement/zero_partitions.py reads the partitions as that configuration lays them
+    out)."""
     config = strategy.config or {}
     zero = config.get("zero_optimization", {}) or {}
     stage = zero.get("stage", 0)
@@ -93,13 +94,17 @@ def refuse_unserved_deepspeed(strategy: DeepSpeedStrategy, trainer: pl.Trainer, 
             f"SimiGrad does not measure DeepSpeed with `{offloaded[0]}`: the gradient partitions then live in CPU"
             " buffers it does not read. Leave offloading out."
         )
-    halves = [f"`{key}` in its config" for key in ("fp16", "bf16") if (config.get(key) or {}).get("enabled")]
-    if str(trainer.precision) not in ("32-true", "32"):
-        halves.append(f"`Trainer(precision={trainer.precision!r})`")
-    if halves:
+    unserved = [f"`{key}` in its config" for key in ("fp16",) if (config.get(key) or {}).get("enabled")]
+    if str(trainer.precision) not in ("32-true", "32", "bf16-mixed", "bf16-true"):
+        unserved.append(f"`Trainer(precision={trainer.precision!r})`")
+    accumulated_in = (config.get("data_types") or {}).get("grad_accum_dtype")
+    if accumulated_in is not None:
+        unserved.append(f"`data_types.grad_accum_dtype={accumulated_in!r}` in its config")
+    if unserved:
         raise RuntimeError(
-            f"SimiGrad measures DeepSpeed in full precision so far; this fit asks for {halves[0]} (DeepSpeed then keeps"
-            " the gradient partitions in another layout, and fp16 scales the loss). Use `precision='32-true'`."
+            f"SimiGrad measures DeepSpeed in fp32 and bf16 with gradients accumulated in the parameters' dtype; this"
+            f" fit asks for {unserved[0]} (fp16 scales the loss, and a separate accumulation dtype keeps the gradient"
+            " partitions in another layout). Use `precision='32-true'` or `'bf16-mixed'`, without `grad_accum_dtype`."
         )
     if loss_items:
         raise RuntimeError(

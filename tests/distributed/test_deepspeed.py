@@ -23,7 +23,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from lightning_simigrad import SimiGrad, equilibrium_batch_size
-from lightning_simigrad.testing import CPUDeepSpeedStrategy
+from lightning_simigrad.testing import CPUDeepSpeedStrategy, StepAudit
 from tests.distributed.test_fsdp import RESUME_N, STOP, N, Record, audited, check_exact_steps, same, steps_of
 from tests.support.fsdp_modules import as_external_process
 from tests.support.helpers import (
@@ -32,6 +32,7 @@ from tests.support.helpers import (
     IndexedRegression,
     LinearLoss,
     Regressor,
+    batch_indices,
     known_noise_dataset,
     trainer,
 )
@@ -75,6 +76,39 @@ class AppliedLR(pl.Callback):
     def on_train_start(self, trainer, pl_module):  # after SimiGrad's hooks went on (when the fit started)
         inner = trainer.optimizers[0].optimizer
         inner.register_step_pre_hook(lambda optimizer, *_: self.applied.append(optimizer.param_groups[0]["lr"]))
+
+
+def _bf16_fit(rank: int, world: int, stage: int) -> dict:
+    """``precision="bf16-mixed"``: DeepSpeed trains and accumulates in bf16; the audit's reference is the float32
+    gradient at the same (bf16) weights."""
+    as_external_process(rank, world)
+    pl.seed_everything(0)
+    dataset = IndexedRegression(N, dtype=torch.float32)
+
+    def mean_loss(module: Regressor, indices: list[int]) -> torch.Tensor:
+        module.float()  # a copy of the trained module: its bf16 weights, in float32
+        return module.loss(dataset.x[indices], dataset.y[indices])
+
+    audit = StepAudit(indices=batch_indices, mean_loss=mean_loss)
+    cb = SimiGrad(target_similarity=0.9, max_micro_batch_size=5, smoothing=0.5, max_batch_size=120)
+    t = trainer(devices=world, strategy=deepspeed(stage), precision="bf16-mixed", max_epochs=2, callbacks=[cb, audit])
+    t.fit(Regressor(dtype=torch.float32), DataLoader(dataset, batch_size=5, shuffle=True))
+    return dict(
+        history=cb.history,
+        errors=[s.grad_rel_error for s in audit.steps],
+        similarity=[s.similarity for s in audit.steps],
+    )
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("stage", [1, 2])
+def test_bf16_steps_are_exact_to_bf16s_own_rounding(stage, run_ok):
+    result = run_ok(_bf16_fit, 2, stage, deadline_s=240)[0]
+    assert len({h["batch_size"] for h in result["history"]}) > 2  # the batch moved
+    # bf16 accumulation rounds each gradient to 8 bits: about 1e-2 of it, as plain DeepSpeed in bf16
+    assert max(result["errors"]) < 3e-2, result["errors"]
+    measured = [(h["similarity"], ref) for h, ref in zip(result["history"], result["similarity"], strict=True)]
+    assert max(abs(ours - ref) for ours, ref in measured if ref == ref) < 2e-2, measured
 
 
 def _counted_fit(rank: int, world: int) -> dict:
@@ -188,7 +222,11 @@ def _refused(rank: int, world: int, kwargs: dict, trainer_kwargs: dict) -> str:
         (dict(stage=3), {}, r"ZeRO stages 1 and 2; this `DeepSpeedStrategy` runs stage 3.*stage=2"),
         (dict(stage=0), {}, r"runs stage 0"),
         (dict(stage=2, offload_optimizer=True), {}, r"`offload_optimizer`.*Leave offloading out"),
-        (dict(stage=2), dict(precision="bf16-mixed"), r"precision='bf16-mixed'.*Use `precision='32-true'`"),
+        (
+            dict(stage=2),
+            dict(precision="16-mixed"),
+            r"precision='16-mixed'.*Use `precision='32-true'` or `'bf16-mixed'`",
+        ),
         (dict(stage=2), dict(accumulate_grad_batches=4), r"accumulate_grad_batches=4.*Leave `accumulate_grad_batches`"),
         (dict(stage=2), dict(loss_items=len), r"`loss_items` with DeepSpeed is not served yet.*Leave `loss_items` out"),
     ],
@@ -196,3 +234,23 @@ def _refused(rank: int, world: int, kwargs: dict, trainer_kwargs: dict) -> str:
 def test_what_is_not_served_is_refused_before_the_first_step(kwargs, trainer_kwargs, message, run_ok):
     (error,) = run_ok(_refused, 1, kwargs, trainer_kwargs, deadline_s=160)
     assert re.search(message, error), error
+
+
+def test_another_deepspeed_version_is_refused_with_the_one_to_install(monkeypatch):
+    import deepspeed as installed
+
+    from lightning_simigrad import _compat
+
+    class Engine:  # the members the measurement reads, present: only the version is wrong
+        optimizer = type("Zero", (), {m.name: None for m in _compat.DEEPSPEED_MEMBERS})()
+
+    _compat.check_deepspeed(Engine())  # the installed one passes
+    monkeypatch.setattr(installed, "__version__", "0.20.1")
+    with pytest.raises(
+        RuntimeError, match=r"read in DeepSpeed 0\.19; this is deepspeed 0\.20\.1.*deepspeed>=0\.19,<0\.20"
+    ):
+        _compat.check_deepspeed(Engine())
+    monkeypatch.undo()
+    Engine.optimizer = type("Zero", (), {})()
+    with pytest.raises(RuntimeError, match=r"averaged_gradients"):
+        _compat.check_deepspeed(Engine())
