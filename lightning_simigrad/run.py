@@ -27,6 +27,7 @@ import math
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 from torch import Tensor
@@ -39,7 +40,7 @@ from lightning_simigrad.core.sample_counts import Data, FitBounds, Limits
 from lightning_simigrad.core.settings import Settings
 from lightning_simigrad.core.statistics import HalfStats
 from lightning_simigrad.data.schedule import ResumePoint, WindowSchedule
-from lightning_simigrad.measurement.protocol import LossScale, Measurement
+from lightning_simigrad.measurement.protocol import LossScale, Measurement, gradients_of
 from lightning_simigrad.state.resume import Restart, Resumption, Stage, generators_of, outside_bounds, without_state
 from lightning_simigrad.state.rng import RngSnapshot
 from lightning_simigrad.weighing import weighing_for
@@ -226,7 +227,8 @@ class Run:
         stats = (
             self.measurement.collect(loss_scale) if columns is None else self.measurement.collect(loss_scale, columns)
         )
-        stats = self.weighing.finish(params, window.total, fed, stats, columns)  # the step's mean, the halves' means
+        grads = partial(gradients_of, self.measurement, params)  # where the gradient is held, read if it is needed
+        stats = self.weighing.finish(grads, window.total, fed, stats, columns)  # the step's mean, the halves' means
         if 0 < fed < window.total:
             self.lr_factor = self.factor_for(self.fed_weight)
         if stats is not None:  # decide

@@ -94,11 +94,16 @@ class Weighing(Protocol):
         """What the step's rows must carry for :meth:`finish` (None: nothing)."""
 
     def finish(
-        self, params: Sequence[Tensor], window_total: int, fed: int, stats: HalfStats | None, columns: Columns | None
+        self,
+        grads: Callable[[], Sequence[Tensor]],
+        window_total: int,
+        fed: int,
+        stats: HalfStats | None,
+        columns: Columns | None,
     ) -> HalfStats | None:
         """Before the optimizer steps: the gradient made the step's mean and the halves' statistics the halves'
-        means; ``fed`` is the window's samples whose backward ran, ``columns`` what :meth:`columns` asked for, with
-        its totals over the ranks."""
+        means; ``grads()`` gives the tensors that hold the gradient the optimizer steps with, ``fed`` is the window's
+        samples whose backward ran, ``columns`` what :meth:`columns` asked for, with its totals over the ranks."""
 
 
 class SampleMeans:
@@ -114,10 +119,15 @@ class SampleMeans:
         return None
 
     def finish(
-        self, params: Sequence[Tensor], window_total: int, fed: int, stats: HalfStats | None, columns: Columns | None
+        self,
+        grads: Callable[[], Sequence[Tensor]],
+        window_total: int,
+        fed: int,
+        stats: HalfStats | None,
+        columns: Columns | None,
     ) -> HalfStats | None:
         if 0 < fed < window_total:  # micro-batches were skipped (`training_step` returned None): a mean over the fed
-            _compat.foreach_mul_([p.grad for p in params if p.grad is not None], window_total / fed)
+            _compat.foreach_mul_(list(grads()), window_total / fed)
         return stats
 
 
@@ -149,14 +159,18 @@ class ItemMeans:
         return Columns((float(self.fed[0]), float(self.fed[1])))  # this rank's items in each half
 
     def finish(
-        self, params: Sequence[Tensor], window_total: int, fed: int, stats: HalfStats | None, columns: Columns | None
+        self,
+        grads: Callable[[], Sequence[Tensor]],
+        window_total: int,
+        fed: int,
+        stats: HalfStats | None,
+        columns: Columns | None,
     ) -> HalfStats | None:
         assert columns is not None and columns.totals is not None
         replicas = processes() // self.world_size  # tensor-parallel processes count their rank's items
         items_a, items_b = (round(total / replicas) for total in columns.totals)
-        grads = [p.grad for p in params if p.grad is not None]
         if items_a + items_b > 0:  # a step without items leaves its (zero) gradient as it is
-            _compat.foreach_mul_(grads, window_total / (items_a + items_b))
+            _compat.foreach_mul_(list(grads()), window_total / (items_a + items_b))
         return in_items(stats, items_a, items_b) if stats is not None else None
 
 

@@ -35,9 +35,7 @@ __all__ = [
 ]
 
 
-def refuse_unsupported(
-    trainer: pl.Trainer, pl_module: pl.LightningModule, max_micro_batch_size: int | None, loss_items: bool = False
-) -> None:
+def refuse_unsupported(trainer: pl.Trainer, pl_module: pl.LightningModule, max_micro_batch_size: int | None) -> None:
     if not pl_module.automatic_optimization:
         raise RuntimeError(
             "SimiGrad drives Lightning's automatic optimization (accumulation windows and the optimizer step);"
@@ -46,7 +44,7 @@ def refuse_unsupported(
     strategy: Strategy = trainer.strategy
     served = (SingleDeviceStrategy, DDPStrategy, ModelParallelStrategy, FSDPStrategy)
     if isinstance(strategy, DeepSpeedStrategy):
-        refuse_unserved_deepspeed(strategy, trainer, loss_items)
+        refuse_unserved_deepspeed(strategy, trainer)
     elif not isinstance(strategy, served) or strategy.handles_gradient_accumulation:
         raise RuntimeError(
             f"SimiGrad supports a single device, DDP (`strategy='ddp'`, 'ddp_spawn', ...), FSDP1 (`strategy='fsdp'`),"
@@ -74,7 +72,7 @@ def refuse_unsupported(
             )
 
 
-def refuse_unserved_deepspeed(strategy: DeepSpeedStrategy, trainer: pl.Trainer, loss_items: bool = False) -> None:
+def refuse_unserved_deepspeed(strategy: DeepSpeedStrategy, trainer: pl.Trainer) -> None:
     """DeepSpeed is served at ZeRO stages 1 and 2 in fp32 and bf16, without offload, with the engine's accumulation
     left to SimiGrad's windows (measurement/zero_partitions.py reads the partitions as that configuration lays them
     out)."""
@@ -105,13 +103,6 @@ def refuse_unserved_deepspeed(strategy: DeepSpeedStrategy, trainer: pl.Trainer, 
             f"SimiGrad measures DeepSpeed in fp32 and bf16 with gradients accumulated in the parameters' dtype; this"
             f" fit asks for {unserved[0]} (fp16 scales the loss, and a separate accumulation dtype keeps the gradient"
             " partitions in another layout). Use `precision='32-true'` or `'bf16-mixed'`, without `grad_accum_dtype`."
-        )
-    if loss_items:
-        raise RuntimeError(
-            "`loss_items` with DeepSpeed is not served yet: a step's item mean is made by rescaling the gradient before"
-            " the optimizer steps, and under DeepSpeed the gradient lives in the ZeRO optimizer's partitions, which"
-            " that rescaling does not reach yet. Leave `loss_items` out (the step is then the mean over its samples),"
-            " or train under DDP or FSDP."
         )
     if trainer.accumulate_grad_batches != 1:
         raise RuntimeError(

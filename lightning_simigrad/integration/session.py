@@ -77,9 +77,7 @@ class FitSession:
         carried: Carried,
     ) -> None:
         _compat.check(trainer)
-        refusals.refuse_unsupported(
-            trainer, pl_module, settings.max_micro_batch_size, loss_items=settings.loss_items is not None
-        )
+        refusals.refuse_unsupported(trainer, pl_module, settings.max_micro_batch_size)
         self.settings, self.reporting, self.trainer = settings, reporting, trainer
         neighbours.run_before_other_callbacks(trainer, callback)
         # the shuffling seed comes from torch's RNG (so `seed_everything` governs it) and rank 0's wins

@@ -32,7 +32,14 @@ from torch import Tensor
 from lightning_simigrad.core.plan import Window
 from lightning_simigrad.core.statistics import HalfStats
 from lightning_simigrad.exchange import Rows
-from lightning_simigrad.measurement.protocol import Attachment, Columns, LossScale, MeasurementError, loss_scale_of
+from lightning_simigrad.measurement.protocol import (
+    Attachment,
+    Columns,
+    LossScale,
+    MeasurementError,
+    gradients_of,
+    loss_scale_of,
+)
 from lightning_simigrad.measurement.rows import Outcome, failed_row, row, verdict
 
 __all__ = ["ComposedMeasurement", "Finished", "Halves", "MeasurementSkipped", "halves_of"]
@@ -128,6 +135,11 @@ class ComposedMeasurement:
 
     def half_of(self, window: Window, index: int) -> int:
         return self.halves.half_of(window, index)
+
+    def gradients(self, params: Sequence[Tensor]) -> list[Tensor]:
+        """The tensors that hold the gradient the optimizer steps with: ``p.grad``, unless the halves keep it
+        elsewhere and say so (DeepSpeed's ZeRO partitions)."""
+        return gradients_of(self.halves, params)
 
     def collect(self, loss_scale: LossScale = None, columns: Columns | None = None) -> HalfStats | None:
         failure, self._failure = self._failure, None

@@ -15,8 +15,11 @@ for each window:
 
 :meth:`~Measurement.attach` once when training starts, on the model as the strategy wrapped it (the measurement
 checks it and hooks itself in where it measures inside a reduction), and :meth:`~Measurement.close` when the fit
-ends. Every measurement is a composition (:mod:`~lightning_simigrad.measurement.composed`) of what its halves are
-(halves in time, two groups of ranks) and how their products cross ranks
+ends. Where the strategy keeps the gradient the optimizer steps with elsewhere than ``p.grad`` (DeepSpeed's ZeRO
+partitions), the measurement says where (``gradients(params)``, read through :func:`gradients_of`): a rescaling of
+the step's gradient (``loss_items``'s) multiplies those tensors. Every measurement is a composition
+(:mod:`~lightning_simigrad.measurement.composed`) of what its halves are (halves in time, two groups of ranks) and
+how their products cross ranks
 (:mod:`~lightning_simigrad.measurement.rows`); :mod:`~lightning_simigrad.measurement.factory` picks the one a
 strategy needs. Every measurement reads the loss scale the same way, through :func:`loss_scale_of`.
 """
@@ -33,7 +36,7 @@ from lightning_simigrad import _compat
 from lightning_simigrad.core.plan import Window
 from lightning_simigrad.core.statistics import HalfStats
 
-__all__ = ["Attachment", "Columns", "LossScale", "Measurement", "MeasurementError", "loss_scale_of"]
+__all__ = ["Attachment", "Columns", "LossScale", "Measurement", "MeasurementError", "gradients_of", "loss_scale_of"]
 
 LossScale = Tensor | float | None  # the loss scale as it stands, a tensor left on its device where it is one
 
@@ -107,6 +110,13 @@ class Measurement(Protocol):
 
     def close(self) -> None:
         """The fit is over: release what the measurement holds."""
+
+
+def gradients_of(measurement: Any, params: Sequence[Tensor]) -> list[Tensor]:
+    """The tensors that hold the gradient the optimizer steps with: where a measurement that knows says so
+    (``measurement.gradients(params)``: DeepSpeed's ZeRO partitions), else the parameters' ``grad``."""
+    where = getattr(measurement, "gradients", None)
+    return list(where(params)) if where is not None else [p.grad for p in params if p.grad is not None]
 
 
 def loss_scale_of(scaler: Any) -> LossScale:

@@ -87,6 +87,11 @@ class ZeroPartitions(InTime):
             self._read, self._first = firsts, None
             self._products = Finished(products, (fed[0], fed[1], window.total))
 
+    def gradients(self, params: Sequence[Tensor]) -> list[Tensor]:
+        """The gradient the optimizer steps with, as it stands after the window's last backward: this rank's
+        partition (what a rescaling of the step's gradient, ``loss_items``'s, multiplies)."""
+        return [t for tensors in _compat.zero_partitions(self._engine.optimizer) for t in tensors]
+
     def finish(self) -> Finished:
         if self._first is not None:  # the optimizer would step on the second half alone: never silently
             self.abort()

@@ -36,6 +36,7 @@ from tests.support.helpers import (
     known_noise_dataset,
     trainer,
 )
+from tests.support.token_modules import Sequences, TokenMeanLoss, TokenModel, indices_of, labelled_tokens, pad_collate
 
 pytest.importorskip("deepspeed")
 
@@ -109,6 +110,32 @@ def test_bf16_steps_are_exact_to_bf16s_own_rounding(stage, run_ok):
     assert max(result["errors"]) < 3e-2, result["errors"]
     measured = [(h["similarity"], ref) for h, ref in zip(result["history"], result["similarity"], strict=True)]
     assert max(abs(ours - ref) for ours, ref in measured if ref == ref) < 2e-2, measured
+
+
+def _token_fit(rank: int, world: int, stage: int) -> dict:
+    """``loss_items``: every labelled token of a step weighs 1 / (the step's labelled tokens on every rank), the
+    module's loss PyTorch's mean over a micro-batch's labelled tokens (tests/support/token_modules.py)."""
+    as_external_process(rank, world)
+    pl.seed_everything(0)
+    dataset = Sequences()
+    audit = StepAudit(indices=indices_of, mean_loss=TokenMeanLoss(dataset))
+    cb = SimiGrad(0.5, loss_items=labelled_tokens, max_micro_batch_size=3, initial_batch_size=4 * world)
+    t = trainer(devices=world, strategy=deepspeed(stage), max_epochs=2, callbacks=[cb, audit])
+    t.fit(TokenModel(dtype=torch.float32), DataLoader(dataset, batch_size=3, shuffle=True, collate_fn=pad_collate))
+    return dict(history=cb.history, steps=[(len(s.samples), s.grad_rel_error, s.similarity) for s in audit.steps])
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("world", [1, 2])
+def test_with_loss_items_every_step_is_the_mean_over_its_labelled_tokens(world, stage, run_ok):
+    result = run_ok(_token_fit, world, stage, deadline_s=240)[0]
+    history, steps = result["history"], result["steps"]
+    assert len({h["batch_size"] for h in history}) >= 3  # the batch moved
+    assert [h["batch_size"] for h in history] == [n for n, _, _ in steps]  # batch sizes count samples
+    assert max(error for _, error, _ in steps) < 2e-6  # the item mean, rescaled in DeepSpeed's partitions
+    measured = [(h["similarity"], ref) for h, (_, _, ref) in zip(history, steps, strict=True)]
+    assert max(abs(ours - ref) for ours, ref in measured if ref == ref) < 1e-5  # cos of the halves' token means
 
 
 def _counted_fit(rank: int, world: int) -> dict:
@@ -206,8 +233,7 @@ def test_a_mid_epoch_resume_continues_step_for_step(tmp_path, run_ok):
 
 def _refused(rank: int, world: int, kwargs: dict, trainer_kwargs: dict) -> str:
     as_external_process(rank, world)
-    simigrad = SimiGrad(0.5, loss_items=trainer_kwargs.pop("loss_items", None))
-    t = trainer(devices=world, strategy=deepspeed(**kwargs), callbacks=[simigrad], **trainer_kwargs)
+    t = trainer(devices=world, strategy=deepspeed(**kwargs), callbacks=[SimiGrad(0.5)], **trainer_kwargs)
     try:
         t.fit(Regressor(dtype=torch.float32), DataLoader(IndexedRegression(32, dtype=torch.float32), batch_size=4))
     except RuntimeError as error:
@@ -228,7 +254,6 @@ def _refused(rank: int, world: int, kwargs: dict, trainer_kwargs: dict) -> str:
             r"precision='16-mixed'.*Use `precision='32-true'` or `'bf16-mixed'`",
         ),
         (dict(stage=2), dict(accumulate_grad_batches=4), r"accumulate_grad_batches=4.*Leave `accumulate_grad_batches`"),
-        (dict(stage=2), dict(loss_items=len), r"`loss_items` with DeepSpeed is not served yet.*Leave `loss_items` out"),
     ],
 )
 def test_what_is_not_served_is_refused_before_the_first_step(kwargs, trainer_kwargs, message, run_ok):
