@@ -37,7 +37,9 @@ from lightning_simigrad.core.statistics import HalfStats
 from lightning_simigrad.exchange import processes
 from lightning_simigrad.measurement.protocol import Columns
 
-__all__ = ["ItemMeans", "SampleMeans", "Weighing", "count_items", "in_items", "weighing_for"]
+__all__ = ["Gradients", "ItemMeans", "SampleMeans", "Weighing", "count_items", "in_items", "weighing_for"]
+
+Gradients = Callable[[], Sequence[Tensor]]  # the tensors that hold the step's gradient, read only when needed
 
 
 def count_items(loss_items: Callable[[Any], Any], batch: Any) -> int:
@@ -94,12 +96,7 @@ class Weighing(Protocol):
         """What the step's rows must carry for :meth:`finish` (None: nothing)."""
 
     def finish(
-        self,
-        grads: Callable[[], Sequence[Tensor]],
-        window_total: int,
-        fed: int,
-        stats: HalfStats | None,
-        columns: Columns | None,
+        self, grads: Gradients, window_total: int, fed: int, stats: HalfStats | None, columns: Columns | None
     ) -> HalfStats | None:
         """Before the optimizer steps: the gradient made the step's mean and the halves' statistics the halves'
         means; ``grads()`` gives the tensors that hold the gradient the optimizer steps with, ``fed`` is the window's
@@ -119,12 +116,7 @@ class SampleMeans:
         return None
 
     def finish(
-        self,
-        grads: Callable[[], Sequence[Tensor]],
-        window_total: int,
-        fed: int,
-        stats: HalfStats | None,
-        columns: Columns | None,
+        self, grads: Gradients, window_total: int, fed: int, stats: HalfStats | None, columns: Columns | None
     ) -> HalfStats | None:
         if 0 < fed < window_total:  # micro-batches were skipped (`training_step` returned None): a mean over the fed
             _compat.foreach_mul_(list(grads()), window_total / fed)
@@ -159,12 +151,7 @@ class ItemMeans:
         return Columns((float(self.fed[0]), float(self.fed[1])))  # this rank's items in each half
 
     def finish(
-        self,
-        grads: Callable[[], Sequence[Tensor]],
-        window_total: int,
-        fed: int,
-        stats: HalfStats | None,
-        columns: Columns | None,
+        self, grads: Gradients, window_total: int, fed: int, stats: HalfStats | None, columns: Columns | None
     ) -> HalfStats | None:
         assert columns is not None and columns.totals is not None
         replicas = processes() // self.world_size  # tensor-parallel processes count their rank's items
