@@ -34,8 +34,10 @@ from tests.support.helpers import (
     Regressor,
     batch_indices,
     known_noise_dataset,
+    step_audit,
     trainer,
 )
+from tests.support.streams import IndexedStream, each_sample_once
 from tests.support.token_modules import Sequences, TokenMeanLoss, TokenModel, indices_of, labelled_tokens, pad_collate
 
 pytest.importorskip("deepspeed")
@@ -136,6 +138,26 @@ def test_with_loss_items_every_step_is_the_mean_over_its_labelled_tokens(world, 
     assert max(error for _, error, _ in steps) < 2e-6  # the item mean, rescaled in DeepSpeed's partitions
     measured = [(h["similarity"], ref) for h, (_, _, ref) in zip(history, steps, strict=True)]
     assert max(abs(ours - ref) for ours, ref in measured if ref == ref) < 1e-5  # cos of the halves' token means
+
+
+def _stream_fit(rank: int, world: int) -> dict:
+    """A stream (an ``IterableDataset`` whose every rank reads its own part), re-batched into the windows."""
+    as_external_process(rank, world)
+    pl.seed_everything(0)
+    dataset = IndexedRegression(N, dtype=torch.float32)
+    audit = step_audit(dataset)
+    cb = SimiGrad(initial_batch_size=8 * world, target_similarity=0.3)
+    t = trainer(devices=world, strategy=deepspeed(2), max_epochs=2, callbacks=[cb, audit])
+    t.fit(Regressor(dtype=torch.float32), DataLoader(IndexedStream(dataset, shuffle=True), batch_size=4))
+    return dict(samples=[s.samples for s in audit.steps], errors=[s.grad_rel_error for s in audit.steps])
+
+
+@pytest.mark.timeout(300)
+def test_a_stream_is_rebatched_into_exact_windows(run_ok):
+    result = run_ok(_stream_fit, 2, deadline_s=240)[0]
+    each_sample_once(result["samples"], N, 2)
+    assert len({len(s) for s in result["samples"][:-1]}) >= 2  # the batch moved
+    assert max(result["errors"]) < 2e-6
 
 
 def _counted_fit(rank: int, world: int) -> dict:
