@@ -5,6 +5,7 @@ Run (about 6 minutes on 2 CPU cores; ``--quick``: about 2 minutes, most of it st
     .venv/bin/python benchmarks/fsdp_overhead.py                 # W = 2 and 4, FSDP2 then FSDP1, gloo on loopback
     .venv/bin/python benchmarks/fsdp_overhead.py --quick         # fewer rounds and steps
     .venv/bin/python benchmarks/fsdp_overhead.py --world-sizes 2 --rounds 3 --fsdp 1
+    .venv/bin/python benchmarks/fsdp_overhead.py --fsdp --zero 1 2 --world-sizes 2   # DeepSpeed's ZeRO 1 and 2
 
 For each world size W, W CPU processes (one thread each) are started here and joined to one gloo group; Lightning
 treats them as launched externally (``LOCAL_RANK``, ``RANK``, ``WORLD_SIZE`` set) and skips its own launch and
@@ -25,6 +26,11 @@ benchmark shows.
 :class:`lightning_simigrad.testing.CPUFSDPStrategy`, which passes the CPU device), every encoder layer its own unit
 (``ModuleWrapPolicy``), ``FULL_SHARD``. Plain FSDP1 accumulates inside ``no_sync`` and reduce-scatters once per
 window; SimiGrad's measurement reduces at the window's midpoint too, so (b) sends a second reduce-scatter per step.
+
+``--zero 1 2`` runs the same under DeepSpeed's ZeRO stages 1 and 2: Lightning's ``DeepSpeedStrategy`` (through
+:class:`lightning_simigrad.testing.CPUDeepSpeedStrategy`), (a) with ``accumulate_grad_batches=K`` (DeepSpeed's own
+accumulation). ZeRO-2 reduces every micro-batch, so (a) and (b) move the same bytes; ZeRO-1 reduces at the boundary
+only, and SimiGrad's midpoint is a boundary too, so (b) reduces twice per step.
 
 A step's time is the interval between two optimizer steps seen on rank 0 (every step ends in collectives, so the
 ranks move together); its CPU time is ``time.process_time()`` over the same interval (every thread of the process,
@@ -223,20 +229,23 @@ def _module_class() -> type:
     return Encoder
 
 
-def _strategy(fsdp: int, world: int) -> Any:
+def _strategy(name: str, world: int) -> Any:
+    """``fsdp2``, ``fsdp1``, or DeepSpeed's ``zero1`` / ``zero2``."""
     from lightning.pytorch.strategies import ModelParallelStrategy
     from torch import nn
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    from lightning_simigrad.testing import CPUFSDPStrategy
+    from lightning_simigrad.testing import CPUDeepSpeedStrategy, CPUFSDPStrategy
 
-    if fsdp == 2:
+    if name == "fsdp2":
         return ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1, process_group_backend="gloo")
+    if name.startswith("zero"):
+        return CPUDeepSpeedStrategy(stage=int(name[-1]), process_group_backend="gloo")
     wrap = ModuleWrapPolicy({nn.TransformerEncoderLayer})
     return CPUFSDPStrategy(process_group_backend="gloo", auto_wrap_policy=wrap, sharding_strategy="FULL_SHARD")
 
 
-def _fit(variant: str, fsdp: int, world: int, warmup: int, timed: int, counter: CollectiveCounter) -> dict[str, Any]:
+def _fit(variant: str, name: str, world: int, warmup: int, timed: int, counter: CollectiveCounter) -> dict[str, Any]:
     """One Lightning fit of ``warmup + timed`` optimizer steps; per timed step: time, calls and bytes."""
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
@@ -280,7 +289,7 @@ def _fit(variant: str, fsdp: int, world: int, warmup: int, timed: int, counter: 
         accelerator="cpu",
         devices=world,
         num_nodes=1,
-        strategy=_strategy(fsdp, world),
+        strategy=_strategy(name, world),
         max_steps=steps,
         accumulate_grad_batches=WINDOW if variant == "plain" else 1,
         callbacks=callbacks,
@@ -306,8 +315,9 @@ def _fit(variant: str, fsdp: int, world: int, warmup: int, timed: int, counter: 
     }
 
 
-def _worker(rank: int, fsdp: int, world: int, port: int, rounds: int, warmup: int, timed: int, results: Any) -> None:
+def _worker(rank: int, name: str, world: int, port: int, rounds: int, warmup: int, timed: int, results: Any) -> None:
     os.environ.update(
+        DS_ACCELERATOR="cpu",
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         LOCAL_RANK=str(rank),
@@ -326,10 +336,10 @@ def _worker(rank: int, fsdp: int, world: int, port: int, rounds: int, warmup: in
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(minutes=5))
     fits: dict[str, list[dict[str, Any]]] = {"plain": [], "simigrad": []}
     orders = [("plain", "simigrad"), ("simigrad", "plain")]
-    _fit("plain", fsdp, world, 1, 1, counter)  # warm-up: imports, gloo connections, allocator
+    _fit("plain", name, world, 1, 1, counter)  # warm-up: imports, gloo connections, allocator
     for r in range(rounds):
         for variant in orders[r % 2]:
-            fits[variant].append(_fit(variant, fsdp, world, warmup, timed, counter))
+            fits[variant].append(_fit(variant, name, world, warmup, timed, counter))
     results.put((rank, fits))
     dist.barrier()
     dist.destroy_process_group()
@@ -346,7 +356,10 @@ def _kb(value: float) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--fsdp", type=int, nargs="+", choices=[1, 2], default=[2, 1], help="FSDP versions to run")
+    parser.add_argument("--fsdp", type=int, nargs="*", choices=[1, 2], default=[2, 1], help="FSDP versions to run")
+    parser.add_argument(
+        "--zero", type=int, nargs="*", choices=[1, 2], default=[], help="DeepSpeed ZeRO stages to run (needs DeepSpeed)"
+    )
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds of (a, b) per world size (default 4)")
     parser.add_argument("--steps", type=int, default=None, help="timed optimizer steps per fit (default 8)")
     parser.add_argument("--quick", action="store_true", help="2 rounds of 3 timed steps: a smoke run (about 1 minute)")
@@ -364,12 +377,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     context = mp.get_context("spawn")
     rows = []
-    for fsdp, world in ((fsdp, world) for fsdp in args.fsdp for world in args.world_sizes):
+    names = [f"fsdp{v}" for v in args.fsdp] + [f"zero{stage}" for stage in args.zero]
+    for name, world in ((name, world) for name in names for world in args.world_sizes):
         results = context.SimpleQueue()
         started = time.perf_counter()
         mp.start_processes(
             _worker,
-            args=(fsdp, world, reserve_port(), rounds, warmup, timed, results),
+            args=(name, world, reserve_port(), rounds, warmup, timed, results),
             nprocs=world,
             start_method="spawn",
         )
@@ -385,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         cpu_ratio = statistics.median(b / a for a, b in zip(cpu["plain"], cpu["simigrad"], strict=True))
         print(
-            f"FSDP{fsdp} W={world}: {rounds} rounds in {time.perf_counter() - started:.0f} s; "
+            f"{name} W={world}: {rounds} rounds in {time.perf_counter() - started:.0f} s; "
             "per-round median step (a, b) ms: "
             + ", ".join(f"({a * 1e3:.0f}, {b * 1e3:.0f})" for a, b in zip(plain, simi, strict=True))
             + "; CPU ms per step, all ranks (a, b): "
@@ -404,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
         extra_calls = {k: b["calls"].get(k, 0) - a["calls"].get(k, 0) for k in set(a["calls"]) | set(b["calls"])}
         rows.append(
             (
-                fsdp,
+                name,
                 world,
                 statistics.median(plain),
                 statistics.median(simi),
@@ -422,13 +436,13 @@ def main(argv: list[str] | None = None) -> int:
 
     print()
     print(
-        "FSDP W | step (a) -> (b)     | median (b)/(a) | CPU/step, all ranks (a) -> (b) | median (b)/(a) "
+        "strategy W | step (a) -> (b)     | median (b)/(a) | CPU/step, all ranks (a) -> (b) | median (b)/(a) "
         "| ring bytes/step/rank (a) -> (b)      | extra calls/step | loopback bytes/step/rank (a) -> (b)"
     )
-    for fsdp, world, ta, tb, ratio, ca, cb, cpu_ratio, ba, bb, extra, la, lb in rows:
+    for name, world, ta, tb, ratio, ca, cb, cpu_ratio, ba, bb, extra, la, lb in rows:
         extra_text = ", ".join(f"{k} {v:+g}" for k, v in sorted(extra.items())) or "none"
         print(
-            f"{fsdp:4d} {world:1d} | {ta * 1e3:5.0f} -> {tb * 1e3:5.0f} ms | {ratio:14.3f} | "
+            f"{name:>8s} {world:1d} | {ta * 1e3:5.0f} -> {tb * 1e3:5.0f} ms | {ratio:14.3f} | "
             f"{ca * 1e3:9.0f} -> {cb * 1e3:6.0f} ms         | {cpu_ratio:14.3f} | "
             f"{_kb(ba)} -> {_kb(bb)} ({bb - ba:+,.0f} B) | {extra_text} | {_kb(la)} -> {_kb(lb)}"
         )
