@@ -18,8 +18,7 @@ from torch.utils.data import DataLoader
 
 from lightning_simigrad import equilibrium_batch_size
 from lightning_simigrad.fabric import FabricSimiGrad
-from tests.support.distributed import leave_together
-from tests.support.helpers import NOISE_SCALE, IndexedRegression, known_noise_dataset
+from tests.support.helpers import NOISE_SCALE, IndexedRegression, exit_without_finalization, known_noise_dataset
 
 N = 203  # an odd count: uneven epoch tails
 
@@ -107,7 +106,7 @@ def fit(fabric: Fabric, max_epochs: int, save_at: int | None, path: str | None, 
     steps, errors = train(fabric, simigrad, model, optimizer, dataset, max_epochs, audit, save)
     # plain lists: tensors would travel back from a spawned process through shared memory it takes with it
     weights = {k: v.detach().reshape(-1).tolist() for k, v in model.state_dict().items()}
-    leave_together()
+    exit_without_finalization()
     return {"history": simigrad.history, "steps": steps, "errors": errors, "weights": weights}
 
 
@@ -179,7 +178,7 @@ def settle(fabric: Fabric) -> list[float]:
                 fabric.backward(window.scale(model(v)))
         window.step(optimizer)
         optimizer.zero_grad()
-    leave_together()
+    exit_without_finalization()
     return [h["batch_size"] for h in simigrad.history]
 
 

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 
 from lightning_simigrad.fabric import FabricSimiGrad
 from tests.fabric.test_fabric_loop import grad_error
-from tests.support.distributed import leave_together
+from tests.support.helpers import exit_without_finalization
 from tests.support.token_modules import VOCAB, Sequences, TokenMeanLoss, TokenModel, labelled_tokens, pad_collate
 
 
@@ -60,7 +60,7 @@ def fit(fabric: Fabric, items: bool) -> dict:
         sizes.append(len(samples))
         window.step(optimizer)
         optimizer.zero_grad()
-    leave_together()
+    exit_without_finalization()
     return {"errors": errors, "sizes": sizes, "history": [h["batch_size"] for h in simigrad.history]}
 
 

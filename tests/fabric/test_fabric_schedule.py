@@ -12,8 +12,7 @@ from torch.utils.data import DataLoader
 from lightning_simigrad import BatchSizeSchedule, linear_ramp
 from lightning_simigrad.fabric import FabricSimiGrad
 from tests.fabric.test_fabric_loop import N, Net, train
-from tests.support.distributed import leave_together
-from tests.support.helpers import IndexedRegression
+from tests.support.helpers import IndexedRegression, exit_without_finalization
 
 RAMP = linear_ramp(start=8, end=48, over=300)
 
@@ -33,7 +32,7 @@ def fit(fabric: Fabric, how: str, history: list[dict] | None) -> dict:
         simigrad = FabricSimiGrad.following(fabric, BatchSizeSchedule.from_history(history, max_micro_batch_size=6))
     simigrad.setup(model, optimizer, DataLoader(dataset, batch_size=4, shuffle=True))
     steps, errors = train(fabric, simigrad, model, optimizer, dataset, max_epochs=2)
-    leave_together()
+    exit_without_finalization()
     return {"steps": steps, "errors": errors, "history": simigrad.history}
 
 

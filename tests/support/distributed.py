@@ -170,13 +170,3 @@ def run_ok(fn: Callable[..., Any], world_size: int, *args: Any, **kwargs: Any) -
         if outcome.error is not None or outcome.exitcode != 0:
             pytest.fail(f"rank {outcome.rank} (exit code {outcome.exitcode}) failed:\n{outcome.error}")
     return [outcome.value for outcome in outcomes]
-
-
-def leave_together() -> None:
-    """The end of a function a launcher (Fabric's ``ddp_spawn``, Lightning's) runs on every rank: wait for every
-    rank, then destroy the process group. A rank that exits with its gloo group alive can take its peers' sockets
-    away mid-collective, and its own gloo threads are torn down by the interpreter's exit: a child aborted so
-    ("terminate called without an active exception") in one CI run out of many."""
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()

@@ -68,18 +68,26 @@ class Regressor(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-class ExitWithoutFinalization(pl.Callback):
-    """In a ``ddp_spawn`` child, after a fit that returned: end the process without the interpreter's finalization.
+def exit_without_finalization() -> None:
+    """In a spawned child (Lightning's or Fabric's ``ddp_spawn``): end the process, once it is done, without the
+    interpreter's finalization.
 
-    With torch 2.14 a gloo child left to finalize now and then aborts after its fit has finished and its results
+    With torch 2.14 a gloo child left to finalize now and then aborts after its work has finished and its results
     were sent (``terminate called without an active exception``: gloo's worker threads still hold the last
-    collectives' tensors), and the launching process then raises. That is torch's, not what these tests check;
-    ``atexit`` runs after Lightning has queued the child's results.
+    collectives' tensors; destroying the process group first does not prevent it), and the launching process then
+    raises. That is torch's, not what these tests check; ``atexit`` runs after the launcher has queued the child's
+    results.
     """
+    if multiprocessing.parent_process() is not None:  # never the test process itself
+        atexit.register(os._exit, 0)
+
+
+class ExitWithoutFinalization(pl.Callback):
+    """:func:`exit_without_finalization` after a fit that returned."""
 
     def teardown(self, trainer, pl_module, stage):
-        if stage == "fit" and multiprocessing.parent_process() is not None:  # never the test process itself
-            atexit.register(os._exit, 0)
+        if stage == "fit":
+            exit_without_finalization()
 
 
 def trainer(**kwargs) -> pl.Trainer:
