@@ -23,9 +23,10 @@ micro-batches, an int. The detached loss handed to callbacks (``outputs["loss"]`
 micro-batch's own mean loss, as plain Lightning gives it without accumulation.
 
 Under DeepSpeed (``strategy.handles_gradient_accumulation``) Lightning runs ``optimizer_step`` after every
-micro-batch and the engine decides when to step: its accumulation boundary is set before every micro-batch from
-the window (:meth:`VariableAccumulation.set_micro_batch`), with ``gradient_accumulation_steps`` 1 so that the engine
-divides no gradient (the refusals check it), and Lightning's counts follow the windows as above.
+micro-batch and the engine decides when to step: the measurement, which drives the engine, sets its accumulation
+boundary before every micro-batch from the window (:mod:`~lightning_simigrad.measurement.zero_partitions`), with
+``gradient_accumulation_steps`` 1 so that the engine divides no gradient (the refusals check it), and Lightning's
+counts follow the windows as above.
 
 The replaced methods are private: :mod:`lightning_simigrad._compat` lists them and checks that they exist
 when a fit starts, and the package pins Lightning's minor version.
@@ -122,12 +123,6 @@ class VariableAccumulation:
         self._set_length = window_length
         self.window_start, self.window_end, self.loss_divisor, self.reduces = start, end, loss_divisor, reduces
         trainer.accumulate_grad_batches = window_length
-        if trainer.strategy.handles_gradient_accumulation:
-            # DeepSpeed: Lightning calls `engine.step()` after every micro-batch and the engine steps at its
-            # boundary, which the window's last micro-batch is (and the midpoint's, for the reduction the
-            # measurement needs: it takes the boundary back before that step)
-            engine: Any = trainer.strategy.model
-            engine.set_gradient_accumulation_boundary(end or reduces)
 
     def _make_zero_grad_fn(self, batch_idx: int, optimizer: Optimizer) -> Callable[[], None] | None:
         assert self._trainer is not None

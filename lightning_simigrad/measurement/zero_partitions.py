@@ -5,8 +5,8 @@ optimizer, where each rank keeps its partition (ZeRO-2 reduces every micro-batch
 boundary), and at a boundary the partition is laid out for the step (the optimizer's ``averaged_gradients``). The
 halves use exactly that:
 
-- the first half's last backward is made an accumulation boundary too (:attr:`ZeroPartitions.midpoint_reduction`;
-  the integration sets the engine's boundary for it as for the window's last micro-batch), so the engine reduces the
+- the engine's accumulation boundary is set before every micro-batch: the window's last, and the first half's last
+  too (:attr:`ZeroPartitions.midpoint_reduction`), so that the engine reduces the
   first half's gradient :math:`s` into every rank's partition;
 - right after that backward, this rank's partition of :math:`s` is copied aside and the optimizer's gradient state is
   cleared as DeepSpeed clears it for a step it skips (an fp16 overflow), and the boundary is taken back, so the
@@ -47,6 +47,7 @@ class ZeroPartitions(InTime):
 
     def __init__(self) -> None:
         self._engine: Any = None
+        self._open = False  # a window started and not yet finished
         self._first: list[list[Tensor]] | None = None  # this rank's partition of the first half, per param group
         self._products: Finished | None = None
         self._read: list[Tensor] = []  # what the queued products read, kept until they are read to the host
@@ -58,11 +59,17 @@ class ZeroPartitions(InTime):
 
     def start_micro_batch(self, window: Window, index: int, params: Sequence[Tensor]) -> None:
         if index == 0:
-            # a window the loop abandoned (an epoch ended inside it) leaves its first half here and its partial sums
-            # in the ZeRO optimizer, which would add them into this window's: both are dropped, as Lightning drops
-            # such a window's gradient (after a step there is nothing to clear)
-            self.abort()
-            _compat.zero_clear_gradients(self._engine.optimizer)
+            if self._open:
+                # a window the loop abandoned (an epoch ended inside it) leaves its first half here and its partial
+                # sums in the ZeRO optimizer, which would add them into this window's: both are dropped, as Lightning
+                # drops such a window's gradient (after a step the engine has cleared them itself)
+                self.abort()
+                _compat.zero_clear_gradients(self._engine.optimizer)
+            self._open = True
+        # Lightning calls `engine.step()` after every micro-batch; the engine steps (and reduces, at ZeRO-1) at its
+        # boundary: the window's last micro-batch, and the midpoint's, whose step `after_backward` takes back
+        last = window.num_micro_batches - 1
+        self._engine.set_gradient_accumulation_boundary(index in (last, window.half_split() - 1))
 
     def after_backward(self, window: Window, index: int, fed: tuple[int, int], params: Sequence[Tensor]) -> None:
         zero = self._engine.optimizer
@@ -93,6 +100,7 @@ class ZeroPartitions(InTime):
         return [t for tensors in _compat.zero_partitions(self._engine.optimizer) for t in tensors]
 
     def finish(self) -> Finished:
+        self._open = False
         if self._first is not None:  # the optimizer would step on the second half alone: never silently
             self.abort()
             raise RuntimeError(
