@@ -127,8 +127,11 @@ TASKS = {
         ends=(1.5, 2),
         spans=(1.0,),
         doublings=(1,),
-        # every 31 loader batches of 32 samples (~125k tokens): 12 validations, the last where the budget ends
-        validation=("+trainer.val_check_interval=31", "trainer.check_val_every_n_epoch=null"),
+        # every 31 loader batches of 32 samples (~125k tokens): 12 validations, the last where the budget ends; each
+        # on the first quarter of the validation files (~85k tokens; the whole set cost more than the training)
+        validation=(
+            "+trainer.val_check_interval=31", "trainer.check_val_every_n_epoch=null", "+trainer.limit_val_batches=0.25"
+        ),
         judging_seeds=tuple(range(20, 24)),
         quick_validation=("+trainer.val_check_interval=4", "trainer.check_val_every_n_epoch=null"),
     ),
@@ -372,10 +375,10 @@ def read_results(out: Path) -> tuple[list[dict[str, Any]], dict[str, list[dict[s
 
 
 class Study:
-    """The runs of one ``--out`` folder: trains what is missing, one run at a time, and appends its rows."""
+    """The runs of one ``--out`` folder: trains what is missing (``jobs`` runs at a time), and appends their rows."""
 
-    def __init__(self, out: Path, quick: bool, overrides: Sequence[str] = ()) -> None:
-        self.out, self.quick, self.overrides = out, quick, list(overrides)
+    def __init__(self, out: Path, quick: bool, overrides: Sequence[str] = (), jobs: int = 1) -> None:
+        self.out, self.quick, self.overrides, self.jobs = out, quick, list(overrides), jobs
         out.mkdir(parents=True, exist_ok=True)
         self.trained = 0
         self._tasks: dict[str, efficiency.Task] = {}
@@ -409,12 +412,16 @@ class Study:
         ]
 
     def train(self, runs: list[StudyRun], what: str) -> None:
+        """Train the runs not yet in results.csv; ``jobs`` at a time, each in a process of its own with one thread.
+
+        Every run is a whole process's work either way (its own initial weights, data order and intra-op thread), so
+        running two side by side changes no run's result, only its wall seconds; the rows are appended here, in the
+        parent, as each run finishes, so a stage interrupted anywhere resumes with the runs it lacks."""
         done = {r["run_id"] for r in read_results(self.out)[0]}
         todo = [r for r in runs if r.run_id not in done]
         print(f"== {what}: {len(runs)} runs, {len(runs) - len(todo)} already done", flush=True)
-        for i, run in enumerate(todo):
-            spec, task = TASKS[run.task], self.task(run.task)
-            row = run_one(spec, task, run, self.out, self.quick, self.extra(run.task))
+        for i, (run, row) in enumerate(self._rows_of(todo)):
+            task = self.task(run.task)
             curve = read_curve(Path(row["run_dir"]) / "curve.csv", task.metric, task.accuracy)
             append(self.out / "curves.csv", CURVE_COLUMNS, ({"run_id": run.run_id, **c} for c in curve))
             append(self.out / "results.csv", COLUMNS, [row])  # last: a row in results.csv means its curve is in
@@ -424,6 +431,21 @@ class Study:
                 f" mean batch {row['mean_batch']:.0f}, train CPU {row['train_cpu_s']:.0f} s, wall {row['wall_s']:.0f}s",
                 flush=True,
             )
+
+    def _rows_of(self, todo: list[StudyRun]) -> Iterable[tuple[StudyRun, dict[str, Any]]]:
+        """Each run of ``todo`` with its row, in the order they finish."""
+        args = [(TASKS[r.task], self.task(r.task), r, self.out, self.quick, self.extra(r.task)) for r in todo]
+        if self.jobs == 1 or len(todo) < 2:
+            yield from ((a[2], run_one(*a)) for a in args)
+            return
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+
+        # spawn: a fresh interpreter per worker, nothing inherited from this process's torch threads
+        with ProcessPoolExecutor(self.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            pending = {pool.submit(run_one, *a): a[2] for a in args}
+            for future in as_completed(pending):
+                yield pending[future], future.result()
 
     # ---------------------------------------------------------------------------------------- stages
     def select(self, name: str, seeds: Sequence[int], parts: Iterable[str] = ("static", "ramps", "candidates")) -> None:
@@ -887,6 +909,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated, of {', '.join(TASKS)}")
     p.add_argument("--seeds", default=None, help="override the stage's seeds (comma-separated)")
     p.add_argument("--quick", action="store_true", help="small budgets, two static batches, two ramps, two candidates")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="runs trained side by side, each a process with one intra-op thread (at most the cores)")
     p.add_argument("--out", default="outputs/study", help="results folder (resumed if it holds results.csv)")
     p.add_argument("--override", action="append", default=[], metavar="[TASK:]KEY=VALUE",
                    help="a Hydra override for every run (of TASK only, with the prefix), e.g. a smaller data set;"
@@ -907,7 +931,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"library: commit {source_commit()}", flush=True)
     for logger in ("lightning.pytorch", "lightning.fabric", "lightning"):
         logging.getLogger(logger).setLevel(logging.WARNING)
-    study = Study(Path(args.out), args.quick, args.override)
+    if not 1 <= args.jobs <= (os.cpu_count() or 1):
+        sys.exit(f"--jobs {args.jobs}: give 1 to {os.cpu_count()} (this machine's cores); each run takes one core")
+    study = Study(Path(args.out), args.quick, args.override, args.jobs)
     seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else None
     start = time.perf_counter()
     for name in names:
