@@ -36,7 +36,9 @@ excluded) at every validation. From the curves:
   (``simigrad=replay simigrad.trace=...``).
 
 Rows go to ``--out``/``results.csv`` (one per run, appended as each finishes: an interrupted stage resumes where it
-stopped and skips the runs already there) and each run's validations to ``curves.csv``. ``report`` writes
+stopped and skips the runs already there) and each run's validations to ``curves.csv``. ``--jobs 2`` trains two
+runs at a time, each in a process of its own with one intra-op thread (a run's result does not change; its wall
+seconds do, so read time in CPU seconds then). ``report`` writes
 ``study.md`` (selection and judging tables, paired differences with 95% t-intervals) and a figure per task.
 """
 
@@ -130,7 +132,9 @@ TASKS = {
         # every 31 loader batches of 32 samples (~125k tokens): 12 validations, the last where the budget ends; each
         # on the first quarter of the validation files (~85k tokens; the whole set cost more than the training)
         validation=(
-            "+trainer.val_check_interval=31", "trainer.check_val_every_n_epoch=null", "+trainer.limit_val_batches=0.25"
+            "+trainer.val_check_interval=31",
+            "trainer.check_val_every_n_epoch=null",
+            "+trainer.limit_val_batches=0.25",
         ),
         judging_seeds=tuple(range(20, 24)),
         quick_validation=("+trainer.val_check_interval=4", "trainer.check_val_every_n_epoch=null"),
@@ -909,8 +913,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated, of {', '.join(TASKS)}")
     p.add_argument("--seeds", default=None, help="override the stage's seeds (comma-separated)")
     p.add_argument("--quick", action="store_true", help="small budgets, two static batches, two ramps, two candidates")
-    p.add_argument("--jobs", type=int, default=1,
-                   help="runs trained side by side, each a process with one intra-op thread (at most the cores)")
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="runs trained side by side, each a process with one intra-op thread (at most the cores)",
+    )
     p.add_argument("--out", default="outputs/study", help="results folder (resumed if it holds results.csv)")
     p.add_argument("--override", action="append", default=[], metavar="[TASK:]KEY=VALUE",
                    help="a Hydra override for every run (of TASK only, with the prefix), e.g. a smaller data set;"

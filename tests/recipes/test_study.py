@@ -181,6 +181,34 @@ def test_quick_study_runs_every_stage_and_resumes(tmp_path: Path) -> None:
     assert again.returncode == 0 and "\n0 runs trained in" in again.stdout, again.stdout[-2000:]
 
 
+@pytest.mark.slow
+def test_runs_trained_side_by_side_give_the_rows_of_runs_trained_one_at_a_time(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "HYDRA_"))}
+    env.update(PYTHONPATH=str(REPO), WANDB_MODE="disabled")
+    rows = {}
+    for jobs in (1, 2):
+        out = tmp_path / f"jobs{jobs}"
+        args = [sys.executable, str(SCRIPT), "select", "--quick", "--tasks", "digits", "--parts", "static",
+                "--seeds", "10,11", "--jobs", str(jobs), "--out", str(out)]  # fmt: skip
+        proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        with (out / "results.csv").open() as f:
+            rows[jobs] = {r["run_id"]: r for r in csv.DictReader(f)}
+        with (out / "curves.csv").open() as f:
+            curves = [c["run_id"] for c in csv.DictReader(f)]
+        assert sorted(set(curves)) == sorted(rows[jobs])  # every row's curve, appended once per validation
+        assert len(curves) == sum(int(r["validations"]) for r in rows[jobs].values())
+    assert len(rows[2]) == 4 and rows[2].keys() == rows[1].keys()
+    for run_id, one in rows[1].items():  # a run's result does not depend on what trains beside it
+        assert (rows[2][run_id]["metric_value"], rows[2][run_id]["steps"]) == (one["metric_value"], one["steps"])
+
+
+def test_jobs_beyond_the_cores_are_refused(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, str(SCRIPT), "select", "--jobs", str((os.cpu_count() or 1) + 1),
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode != 0 and "--jobs" in proc.stderr and "cores" in proc.stderr
+
+
 def test_the_verdict_needs_as_many_seeds_steps_within_five_percent_and_no_worse_quality() -> None:
     def group(name: str, finals: list[float]) -> study.Group:
         return study.Group(name, [{"seed": s, "metric_value": f} for s, f in enumerate(finals)])
