@@ -27,9 +27,6 @@ from lightning_simigrad.core.settings import BatchSettings, Settings
 
 __all__ = ["BatchSizeSchedule"]
 
-# the similarity it logs is measured, never compared: any valid target serves
-_UNUSED_TARGET = 0.5
-
 
 class BatchSizeSchedule(SimiGrad):
     """Train with a fixed global batch-size schedule instead of an adaptive one.
@@ -85,7 +82,7 @@ class BatchSizeSchedule(SimiGrad):
         planned.check_bounds(arguments.get("min_batch_size"), arguments.get("max_batch_size"), points)
         if arguments.get("initial_batch_size") is None:
             arguments["initial_batch_size"] = planned(0)
-        settings = Settings(_UNUSED_TARGET, adjust=False, schedule=planned, **arguments)
+        settings = Settings(None, adjust=False, schedule=planned, **arguments)  # measured and logged, never compared
         super(SimiGrad, self).__init__(settings)  # SimiGrad's own __init__ takes a target; the rest is shared
 
     __init__.__signature__ = inspect.Signature(  # type: ignore[attr-defined]

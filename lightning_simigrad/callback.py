@@ -104,7 +104,12 @@ class SimiGrad(Readings):
     __init__.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
         [
             inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-            *(p for name, p in inspect.signature(Settings).parameters.items() if name != "schedule"),
+            # SimiGrad always holds a target: None belongs to BatchSizeSchedule's settings alone
+            *(
+                p.replace(annotation="float") if name == "target_similarity" else p
+                for name, p in inspect.signature(Settings).parameters.items()
+                if name != "schedule"
+            ),
         ]
     )
     ARGUMENTS = frozenset(Settings.__dataclass_fields__) - {"schedule"}  # what reads back as an attribute

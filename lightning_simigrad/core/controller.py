@@ -122,7 +122,7 @@ class BatchSizeController:
 
     def __init__(
         self,
-        target_similarity: float,
+        target_similarity: float | None,
         initial_batch_size: int,
         min_batch_size: int | None = None,
         max_batch_size: int | None = None,
@@ -135,7 +135,8 @@ class BatchSizeController:
         warmup_steps: int = 0,
         counts_tokens: bool = False,
     ) -> None:
-        validate_target_similarity(target_similarity)
+        if target_similarity is not None:  # None: a controller that measures and never moves the batch
+            validate_target_similarity(target_similarity)
         for name, value in (("initial_batch_size", initial_batch_size),):
             _require_positive_int(name, value)
         if min_batch_size is not None:
@@ -209,6 +210,11 @@ class BatchSizeController:
         self._trace_sigma.update(trace_sigma / reference)
         if not adjust or self.measured_steps <= self.warmup_steps:
             return self.batch_size
+        if self.target_similarity is None:
+            raise ValueError(
+                "This controller was built without `target_similarity`, so it measures only: call"
+                " `update(stats, adjust=False)`, or build it with a target in (-1, 1)."
+            )
         if abs(self.similarity - self.target_similarity) <= self.deadband:
             return self.batch_size
         below = self.similarity < self.target_similarity
@@ -238,6 +244,7 @@ class BatchSizeController:
         noise_scale = self.noise_scale
         if not (math.isfinite(noise_scale) and noise_scale > 0):
             return math.nan
+        assert self.target_similarity is not None  # only the adjusting path asks for B*
         b_star = equilibrium_batch_size(noise_scale, self.target_similarity, self.population)
         if self.counts_tokens:
             # B* counts samples; the step asked for self._size tokens and its halves hold n_a + n_b samples

@@ -104,7 +104,8 @@ class BatchSettings:
 class Settings(BatchSettings):
     """The arguments of :class:`~lightning_simigrad.SimiGrad` (documented there)."""
 
-    target_similarity: float = field(kw_only=False)
+    # None only where a fixed schedule decides the batch (BatchSizeSchedule): nothing is compared with a target then
+    target_similarity: float | None = field(kw_only=False)
     adjust: bool = True  # False: measure and log, never change the batch
     controller: str = "paper"  # "paper" (x grow / x shrink), "noise_scale" (jump to B*) or "ratchet" (grow towards B*)
     grow_factor: float = 1.1
@@ -118,6 +119,11 @@ class Settings(BatchSettings):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.target_similarity is None and (self.schedule is None or self.adjust):
+            raise ValueError(
+                "`target_similarity` is None: SimiGrad holds the similarity at a target in (-1, 1); give one (the"
+                " paper uses 0.8 for BERT, 0.2 for ResNet-18), or use `BatchSizeSchedule` for a fixed schedule."
+            )
         # the controller checks its own arguments
         BatchSizeController(**self.controller_args(self.initial_batch_size or self.min_batch_size or 1))
 

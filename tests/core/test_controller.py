@@ -304,3 +304,12 @@ def test_settings_carry_the_unit_to_the_controller_and_accept_every_rule_in_toke
         settings = Settings(0.5, lengths=[3, 4], initial_batch_size=64, controller=rule)
         assert settings.controller_args(64)["counts_tokens"] is True
     assert Settings(0.5, controller="ratchet").controller_args(64)["counts_tokens"] is False
+
+
+def test_a_controller_without_a_target_measures_but_refuses_to_move_the_batch() -> None:
+    c = BatchSizeController(target_similarity=None, initial_batch_size=100)
+    stats = HalfStats(dot=0.1, sq_a=1.0, sq_b=1.0, n_a=50, n_b=50)
+    assert c.update(stats, adjust=False) == 100 and c.measured_steps == 1
+    assert c.similarity == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="without `target_similarity`.*adjust=False"):
+        c.update(stats)

@@ -139,3 +139,11 @@ def test_a_bad_schedule_is_refused_at_construction_with_the_fix(schedule, argume
 def test_simigrad_refuses_a_schedule_and_names_the_callback_that_takes_it() -> None:
     with pytest.raises(TypeError, match="use `BatchSizeSchedule"):
         SimiGrad(0.8, schedule={0: 8})
+
+
+def test_a_schedule_holds_no_target_and_simigrad_refuses_to_run_without_one() -> None:
+    schedule = BatchSizeSchedule(linear_ramp(start=8, end=32, over=100))
+    assert schedule.settings.target_similarity is None  # nothing is compared with a target: none is made up
+    for missing in ({"target_similarity": None}, {"target_similarity": None, "adjust": False}):
+        with pytest.raises(ValueError, match="`target_similarity` is None.*BatchSizeSchedule"):
+            SimiGrad(**missing)
