@@ -135,32 +135,19 @@ class BatchSizeController:
         warmup_steps: int = 0,
         counts_tokens: bool = False,
     ) -> None:
-        if target_similarity is not None:  # None: a controller that measures and never moves the batch
-            validate_target_similarity(target_similarity)
-        for name, value in (("initial_batch_size", initial_batch_size),):
-            _require_positive_int(name, value)
-        if min_batch_size is not None:
-            _require_positive_int("min_batch_size", min_batch_size)
-        if max_batch_size is not None:
-            _require_positive_int("max_batch_size", max_batch_size)
-        if min_batch_size is not None and max_batch_size is not None and min_batch_size > max_batch_size:
-            raise ValueError(
-                f"`min_batch_size` ({min_batch_size}) must not exceed `max_batch_size` ({max_batch_size})."
-                " Swap them or widen the range."
-            )
-        if rule not in RULES:
-            raise ValueError(f"`controller` must be one of {RULES}, got {rule!r}.")
-        if not grow_factor > 1.0:
-            raise ValueError(f"`grow_factor` must be > 1, got {grow_factor}. The paper uses 1.1.")
-        if not 0.0 < shrink_factor < 1.0:
-            raise ValueError(f"`shrink_factor` must lie in (0, 1), got {shrink_factor}. The paper uses 0.9.")
-        for name, decay in (("smoothing", smoothing), ("noise_scale_decay", noise_scale_decay)):
-            if not 0.0 <= decay < 1.0:
-                raise ValueError(f"`{name}` is an EMA decay and must lie in [0, 1), got {decay}. Use 0 for none.")
-        if not deadband >= 0.0:
-            raise ValueError(f"`deadband` must be >= 0, got {deadband}.")
-        if not (isinstance(warmup_steps, int) and warmup_steps >= 0):
-            raise ValueError(f"`warmup_steps` must be a non-negative int, got {warmup_steps!r}.")
+        _check_arguments(  # refused at construction, each naming its argument
+            target_similarity,
+            initial_batch_size,
+            min_batch_size,
+            max_batch_size,
+            rule,
+            grow_factor,
+            shrink_factor,
+            smoothing,
+            noise_scale_decay,
+            deadband,
+            warmup_steps,
+        )
 
         self.target_similarity = target_similarity
         self.min_batch_size = min_batch_size or 1
@@ -345,6 +332,48 @@ class BatchSizeController:
             if key in state:
                 ema.biased, ema.weight = (float(v) for v in state[key])
         self._reference = float(state.get("reference", 0.0))
+
+
+def _check_arguments(
+    target_similarity: float | None,
+    initial_batch_size: int,
+    min_batch_size: int | None,
+    max_batch_size: int | None,
+    rule: str,
+    grow_factor: float,
+    shrink_factor: float,
+    smoothing: float,
+    noise_scale_decay: float,
+    deadband: float,
+    warmup_steps: int,
+) -> None:
+    """:class:`BatchSizeController`'s arguments, each refused with its name, its value and the fix."""
+    if target_similarity is not None:  # None: a controller that measures and never moves the batch
+        validate_target_similarity(target_similarity)
+    for name, value in (("initial_batch_size", initial_batch_size),):
+        _require_positive_int(name, value)
+    if min_batch_size is not None:
+        _require_positive_int("min_batch_size", min_batch_size)
+    if max_batch_size is not None:
+        _require_positive_int("max_batch_size", max_batch_size)
+    if min_batch_size is not None and max_batch_size is not None and min_batch_size > max_batch_size:
+        raise ValueError(
+            f"`min_batch_size` ({min_batch_size}) must not exceed `max_batch_size` ({max_batch_size})."
+            " Swap them or widen the range."
+        )
+    if rule not in RULES:
+        raise ValueError(f"`controller` must be one of {RULES}, got {rule!r}.")
+    if not grow_factor > 1.0:
+        raise ValueError(f"`grow_factor` must be > 1, got {grow_factor}. The paper uses 1.1.")
+    if not 0.0 < shrink_factor < 1.0:
+        raise ValueError(f"`shrink_factor` must lie in (0, 1), got {shrink_factor}. The paper uses 0.9.")
+    for name, decay in (("smoothing", smoothing), ("noise_scale_decay", noise_scale_decay)):
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"`{name}` is an EMA decay and must lie in [0, 1), got {decay}. Use 0 for none.")
+    if not deadband >= 0.0:
+        raise ValueError(f"`deadband` must be >= 0, got {deadband}.")
+    if not (isinstance(warmup_steps, int) and warmup_steps >= 0):
+        raise ValueError(f"`warmup_steps` must be a non-negative int, got {warmup_steps!r}.")
 
 
 def validate_target_similarity(value: float) -> None:
