@@ -182,6 +182,11 @@ class BatchSizeController:
                 ``math.inf`` for draws with replacement): the noise scale is estimated, and :math:`B^*`
                 aimed at, in the finite-population form (:mod:`~lightning_simigrad.core.statistics`).
         """
+        if adjust and self.target_similarity is None:  # refused before any average takes the step in
+            raise ValueError(
+                "This controller was built without `target_similarity`, so it measures only: call"
+                " `update(stats, adjust=False)`, or build it with a target in (-1, 1)."
+            )
         if not stats.is_finite:
             return self.batch_size  # an overflowed or empty measurement says nothing: hold
         self.measured_steps += 1
@@ -197,14 +202,11 @@ class BatchSizeController:
         self._trace_sigma.update(trace_sigma / reference)
         if not adjust or self.measured_steps <= self.warmup_steps:
             return self.batch_size
-        if self.target_similarity is None:
-            raise ValueError(
-                "This controller was built without `target_similarity`, so it measures only: call"
-                " `update(stats, adjust=False)`, or build it with a target in (-1, 1)."
-            )
-        if abs(self.similarity - self.target_similarity) <= self.deadband:
+        target = self.target_similarity
+        assert target is not None  # adjusting without one was refused above
+        if abs(self.similarity - target) <= self.deadband:
             return self.batch_size
-        below = self.similarity < self.target_similarity
+        below = self.similarity < target
         if self.rule == "paper" or not self.noise_scale_resolved:
             # The noise-scale rules before |G|^2 is told from its noise: B_noise, and B* above all near N, could be
             # anything; a jump to it (with the LR scaled to match) threw digits runs off course. They step as the

@@ -311,5 +311,7 @@ def test_a_controller_without_a_target_measures_but_refuses_to_move_the_batch() 
     stats = HalfStats(dot=0.1, sq_a=1.0, sq_b=1.0, n_a=50, n_b=50)
     assert c.update(stats, adjust=False) == 100 and c.measured_steps == 1
     assert c.similarity == pytest.approx(0.1)
+    before = c.state_dict()
     with pytest.raises(ValueError, match="without `target_similarity`.*adjust=False"):
         c.update(stats)
+    assert c.measured_steps == 1 and c.state_dict() == before  # the refused step left nothing behind
