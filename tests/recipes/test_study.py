@@ -182,6 +182,7 @@ def test_quick_study_runs_every_stage_and_resumes(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="--jobs 2 needs two cores")
 def test_runs_trained_side_by_side_give_the_rows_of_runs_trained_one_at_a_time(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "HYDRA_"))}
     env.update(PYTHONPATH=str(REPO), WANDB_MODE="disabled")
