@@ -438,16 +438,16 @@ class Study:
 
     def _rows_of(self, todo: list[StudyRun]) -> Iterable[tuple[StudyRun, dict[str, Any]]]:
         """Each run of ``todo`` with its row, in the order they finish."""
-        args = [(TASKS[r.task], self.task(r.task), r, self.out, self.quick, self.extra(r.task)) for r in todo]
+        calls = [(r, (TASKS[r.task], self.task(r.task), r, self.out, self.quick, self.extra(r.task))) for r in todo]
         if self.jobs == 1 or len(todo) < 2:
-            yield from ((a[2], run_one(*a)) for a in args)
+            yield from ((run, run_one(*args)) for run, args in calls)
             return
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor, as_completed
 
         # spawn: a fresh interpreter per worker, nothing inherited from this process's torch threads
         with ProcessPoolExecutor(self.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-            pending = {pool.submit(run_one, *a): a[2] for a in args}
+            pending = {pool.submit(run_one, *args): run for run, args in calls}
             for future in as_completed(pending):
                 yield pending[future], future.result()
 

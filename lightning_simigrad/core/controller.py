@@ -214,7 +214,7 @@ class BatchSizeController:
             factor = self.grow_factor if below else self.shrink_factor if self.rule != "ratchet" else 1.0
             self._size = self._clamp(self._size * factor)
             return self.batch_size
-        b_star = self._b_star(stats)
+        b_star = self._b_star(stats, target)
         if self.rule == "noise_scale":
             if math.isfinite(b_star) and b_star > 0:
                 self._size = self._clamp(b_star)
@@ -227,14 +227,13 @@ class BatchSizeController:
             self._size = self._clamp(self._size * min(max(growth, 1.0), self.grow_factor))
         return self.batch_size
 
-    def _b_star(self, stats: HalfStats) -> float:
+    def _b_star(self, stats: HalfStats, target: float) -> float:
         """:math:`B^*` for the smoothed noise scale, in the batch's unit (NaN while the estimate is not positive,
         ``math.inf`` where no batch of the epoch reaches the target)."""
         noise_scale = self.noise_scale
         if not (math.isfinite(noise_scale) and noise_scale > 0):
             return math.nan
-        assert self.target_similarity is not None  # only the adjusting path asks for B*
-        b_star = equilibrium_batch_size(noise_scale, self.target_similarity, self.population)
+        b_star = equilibrium_batch_size(noise_scale, target, self.population)
         if self.counts_tokens:
             # B* counts samples; the step asked for self._size tokens and its halves hold n_a + n_b samples
             b_star *= self._size / (stats.n_a + stats.n_b)
